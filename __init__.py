@@ -1,0 +1,1 @@
+"""DSpark for Kimi K3: remote-code package (configuration, model, generation, kernels)."""
