@@ -336,9 +336,6 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         return embed_tokens(block_ids), anchor_positions[:, None] + offsets
 
     # ------------------------------------------------------------------ heads
-    def markov_bias(self, prev_ids: torch.Tensor) -> torch.Tensor | int:
-        return 0 if self.markov_head is None else self.markov_head(prev_ids)
-
     def confidence_logits(self, hidden_rows: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
         """Raw confidence logits [..] of hidden rows [.., H] whose previous tokens are `prev_ids` [..]."""
         features = hidden_rows
@@ -444,20 +441,25 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         # Draft forward: all blocks of a row at once over the row's full context.
         context_cache = self.new_context_cache()
         positions = torch.arange(seq_len, device=device).expand(batch_size, -1)
-        self.append_context(context_cache, target_features, positions)
+        self.append_context(context_cache, target_features.detach(), positions)
         block_ids = torch.full_like(prev_ids, self.config.mask_token_id)
         block_ids[..., 0] = prev_ids[..., 0]
         block_positions = anchor_positions[..., None] + offsets
+        with torch.no_grad():
+            block_embeds = embed_tokens(block_ids.flatten(1))
         hidden = self(
-            embed_tokens(block_ids.flatten(1)),
+            block_embeds,
             block_positions.flatten(1),
             context_cache,
             self.block_attention_mask(anchor_positions, seq_len),
         ).view(batch_size, num_anchors, block_size, -1)
 
-        logits = lm_head(hidden.to(_module_dtype(lm_head, hidden.dtype)))[..., : self.config.vocab_size].float()
-        logits = logits + self.markov_bias(prev_ids).float() if self.markov_head is not None else logits
-        target_probs = torch.softmax(target_logits[rows, label_positions - 1].float(), dim=-1)
+        frozen_lm_head = {name: p.detach() for name, p in lm_head.named_parameters()}  # gradients reach the draft only
+        logits = torch.func.functional_call(lm_head, frozen_lm_head, (hidden.to(_module_dtype(lm_head, hidden.dtype)),))
+        logits = logits[..., : self.config.vocab_size].float()
+        if self.markov_head is not None:
+            logits = logits + self.markov_head(prev_ids).float()
+        target_probs = torch.softmax(target_logits[rows, label_positions - 1].detach().float(), dim=-1)
         log_probs = torch.log_softmax(logits, dim=-1)
         cross_entropy = -log_probs.gather(-1, labels[..., None]).squeeze(-1)
         l1 = (log_probs.exp() - target_probs).abs().sum(-1)
