@@ -27,6 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_dspark import DSparkConfig
+from .generation_utils import install_generate_route
 from .kernels import MarkovBlockSample, markov_block_sample
 
 # Loss weights of the DSpark training recipe (SpecForge defaults).
@@ -100,17 +101,16 @@ class DSparkContextCache:
         lengths = self.lengths if self.lengths is not None else valid.new_zeros(batch_size, dtype=torch.long)
         slots = lengths[:, None] + valid.long().cumsum(-1) - 1  # [B, T]
         needed = int((lengths + valid.sum(-1)).max())
-        for store in (self.keys, self.values):
+        row_idx, token_idx = valid.nonzero(as_tuple=True)
+        for store, new in ((self.keys, keys), (self.values, values)):
             buffer = store[layer_idx]
             capacity = 0 if buffer is None else buffer.shape[2]
-            if needed > capacity:
-                grown = keys.new_zeros(batch_size, num_heads, max(needed, 2 * capacity), head_dim)
+            if needed > capacity:  # grow geometrically: appends are amortised O(tokens)
+                grown = new.new_zeros(batch_size, num_heads, max(needed, 2 * capacity), head_dim)
                 if buffer is not None:
                     grown[:, :, :capacity] = buffer
-                store[layer_idx] = grown
-        row_idx, token_idx = valid.nonzero(as_tuple=True)
-        self.keys[layer_idx][row_idx, :, slots[row_idx, token_idx]] = keys[row_idx, :, token_idx]
-        self.values[layer_idx][row_idx, :, slots[row_idx, token_idx]] = values[row_idx, :, token_idx]
+                store[layer_idx] = buffer = grown
+            buffer[row_idx, :, slots[row_idx, token_idx]] = new[row_idx, :, token_idx].to(buffer.dtype)
 
     def commit(self, valid: torch.Tensor) -> None:
         """Advance each row's length by its number of valid tokens, after all layers were appended."""
@@ -573,5 +573,7 @@ def _module_dtype(module: nn.Module, default: torch.dtype) -> torch.dtype:
 # `save_pretrained` writes the `auto_map` that lets `AutoModel.from_pretrained(..., trust_remote_code=True)` find us.
 DSparkConfig.register_for_auto_class()
 DSparkDraftModel.register_for_auto_class("AutoModel")
+# `target.generate(..., assistant_model=draft)` runs DSpark speculative decoding (see generation_utils).
+install_generate_route()
 
 __all__ = ["DSparkDraftModel", "DSparkPreTrainedModel", "DSparkContextCache"]

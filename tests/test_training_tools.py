@@ -1,0 +1,178 @@
+"""End-to-end runs of the draft tools on a tiny random Qwen3 target with a byte-level tokenizer.
+
+Regenerated data -> training (dspark, dflash, assistant) -> checkpoint / resume -> Hub layout loaded by
+AutoModel(trust_remote_code) -> Sequential Temperature Scaling -> evaluation outputs.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+import tools  # noqa: F401  (registers the repository root as the package `dspark`)
+from dspark.configuration_dspark import DSparkConfig
+from tools import calibrate, chat_format, regenerate_data, train_draft
+from tools.common import REMOTE_CODE_FILES, RoundRecords, read_jsonl, survival
+from tiny_models import qwen3_target
+
+torch.set_num_threads(1)
+TRAIN_FLAGS = ["--batch-size", "2", "--num-layers", "1", "--markov-rank", "16", "--max-length", "512", "--threads", "1"]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer without merges; the chat template's special tokens take ids 0..5."""
+    vocab = {token: i for i, token in enumerate(chat_format.SPECIAL_TOKENS)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[char] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(chat_format.SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=chat_format.BOS, eos_token=chat_format.EOS,
+                                   pad_token=chat_format.PAD)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A saved tiny target + tokenizer, a corpus of prompts, and the target's greedy answers to them."""
+    root = tmp_path_factory.mktemp("tools")
+    tokenizer = byte_tokenizer()
+    qwen3_target(vocab_size=len(tokenizer)).save_pretrained(root / "target")
+    tokenizer.save_pretrained(root / "target")
+    with open(root / "corpus.jsonl", "w") as f:
+        for i in range(8):
+            prompt = f"def add_{i}(x):\n    '''x + {i}'''"
+            f.write(json.dumps({"kind": "pair", "prompt": prompt, "response": "", "source": str(i)}) + "\n")
+    regenerate_data.main(["--target", str(root / "target"), "--corpus", str(root / "corpus.jsonl"), "--out",
+                          str(root / "regen.jsonl"), "--max-new-tokens", "24", "--batch-size", "4", "--threads", "1"])
+    return root
+
+
+def train(workspace, kind: str, out: str, *extra: str) -> dict:
+    return train_draft.main(["--kind", kind, "--target", str(workspace / "target"), "--data",
+                             str(workspace / "regen.jsonl"), "--out", str(workspace / out), *TRAIN_FLAGS, *extra])
+
+
+def losses(run_dir) -> list[float]:
+    return [record["loss"] for record in read_jsonl(run_dir / "train_log.jsonl")]
+
+
+def test_regenerated_data_is_the_targets_greedy_answer(workspace):
+    records = read_jsonl(workspace / "regen.jsonl")
+    target = AutoModelForCausalLM.from_pretrained(workspace / "target")
+    record = records[0]
+    prompt = torch.tensor([record["input_ids"][: record["prompt_len"]]])
+    expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)[0].tolist()
+    assert record["input_ids"] == expected[: len(record["input_ids"])]
+    assert len(records) == 8 and json.loads((workspace / "regen.meta.json").read_text())["complete"]
+
+
+def test_training_decreases_the_loss_and_saves_the_hub_layout(workspace):
+    summary = train(workspace, "dspark", "dspark", "--max-steps", "12", "--heldout", str(workspace / "regen.jsonl"),
+                    "--heldout-limit", "2", "--eval-every", "12", "--target-layer-ids", "1", "3")
+    history = losses(workspace / "dspark")
+    assert sum(history[-3:]) / 3 < history[0] - 0.05
+    assert summary["heldout_greedy_acceptance_length"] >= 1.0
+    final = workspace / "dspark" / "final"
+    assert {"config.json", "model.safetensors", *REMOTE_CODE_FILES} <= {p.name for p in final.iterdir()}
+    draft = AutoModel.from_pretrained(final, trust_remote_code=True)
+    assert type(draft).__name__ == "DSparkDraftModel"
+    assert draft.config.target_layer_ids == [1, 3] and draft.config.mask_token_id == 3
+    assert draft.config.hidden_size == 64 and draft.config.vocab_size == 262
+    saved = load_file(final / "model.safetensors")
+    assert all(torch.equal(saved[name], tensor) for name, tensor in draft.state_dict().items())
+
+
+def test_dflash_ablation_and_assistant(workspace):
+    train(workspace, "dflash", "dflash", "--max-steps", "2")
+    dflash = json.loads((workspace / "dflash" / "final" / "config.json").read_text())
+    assert dflash["markov_rank"] == 0 and dflash["enable_confidence_head"] is False
+    assert dflash["target_layer_ids"] == train_draft.default_target_layer_ids(4, 5) == [1, 2]
+
+    train(workspace, "assistant", "assistant", "--max-steps", "6")
+    history = losses(workspace / "assistant")
+    assert history[-1] < history[0]
+    assistant = AutoModelForCausalLM.from_pretrained(workspace / "assistant" / "final")
+    target = AutoModelForCausalLM.from_pretrained(workspace / "target")
+    assert torch.equal(assistant.get_input_embeddings().weight, target.get_input_embeddings().weight)  # frozen copy
+
+
+def test_resume_from_a_checkpoint_reproduces_the_run(workspace):
+    flags = ["--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "1"]
+    train(workspace, "dspark", "straight", *flags)
+    (workspace / "resumed").mkdir()
+    (workspace / "straight" / "checkpoint-2").rename(workspace / "resumed" / "checkpoint-2")
+    train(workspace, "dspark", "resumed", *flags, "--resume", "auto")
+    straight = load_file(workspace / "straight" / "final" / "model.safetensors")
+    resumed = load_file(workspace / "resumed" / "final" / "model.safetensors")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+    assert losses(workspace / "straight")[2:] == losses(workspace / "resumed")
+
+
+def synthetic_rounds(scale: float, rounds: int = 4000, block_size: int = 7) -> RoundRecords:
+    """Rounds whose true conditional acceptance is sigmoid(z) but whose head reports `scale` * z."""
+    generator = torch.Generator().manual_seed(0)
+    true_logits = torch.randn(rounds, block_size, generator=generator) + 1.0
+    draws = torch.rand(rounds, block_size, generator=generator) < torch.sigmoid(true_logits)
+    valid = torch.ones(rounds, block_size, dtype=torch.bool)
+    return RoundRecords(scale * true_logits, draws.long().cumprod(-1).bool(), valid)
+
+
+def test_sts_lowers_ece_and_round_trips_through_config(tmp_path):
+    rounds = synthetic_rounds(scale=3.0)  # overconfident
+    temperatures = calibrate.fit_sequential_temperatures(rounds)
+    before, after = calibrate.survival_ece(rounds, None), calibrate.survival_ece(rounds, temperatures)
+    assert after["pooled"] < 0.5 * before["pooled"]
+    assert all(a <= b + 1e-9 for a, b in zip(after["per_position"], before["per_position"]))
+    assert 2.0 < temperatures[0] < 4.5  # the scale that was applied
+    assert torch.all(survival(rounds.confidence_logits, temperatures).diff(dim=-1) <= 0)
+
+    DSparkConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=8, target_layer_ids=[0], num_target_layers=2, mask_token_id=3,
+                 markov_rank=4).save_pretrained(tmp_path)
+    before_json = json.loads((tmp_path / "config.json").read_text())
+    calibrate.write_temperatures(tmp_path, temperatures)
+    after_json = json.loads((tmp_path / "config.json").read_text())
+    assert DSparkConfig.from_pretrained(tmp_path).confidence_temperatures == pytest.approx(temperatures, abs=1e-6)
+    assert {k: v for k, v in after_json.items() if k != "confidence_temperatures"} == \
+        {k: v for k, v in before_json.items() if k != "confidence_temperatures"}
+
+
+def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
+    from tools import evaluate
+
+    monkeypatch.setenv("DSPARK_CACHE", str(workspace / "cache"))  # the schedule mode's profiled SPS curve
+
+    draft_dir = workspace / "dspark" / "final"
+    report = calibrate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--data",
+                             str(workspace / "regen.jsonl"), "--limit", "2", "--out", str(workspace / "calibration")])
+    assert report["ece_after"]["pooled"] <= report["ece_before"]["pooled"] + 1e-9
+    assert json.loads((draft_dir / "config.json").read_text())["confidence_temperatures"] == \
+        [round(t, 6) for t in report["temperatures"]]
+
+    out = workspace / "eval"
+    evaluate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--dflash",
+                   str(workspace / "dflash" / "final"), "--assistant", str(workspace / "assistant" / "final"),
+                   "--datasets", "humaneval", "--limit", "1", "--max-new-tokens", "8", "--out", str(out),
+                   "--threads", "1"])
+    assert {"eval.json", "eval.md", "tau.png", "acceptance.png", "calibration.png"} <= {p.name for p in out.iterdir()}
+    results = json.loads((out / "eval.json").read_text())["results"]
+    greedy = results["T=0"]["humaneval"]
+    methods = {"target", "dspark/full", "dspark/threshold", "dspark/schedule", "dflash", "assistant", "prompt_lookup"}
+    assert set(greedy) == methods
+    assert all(entry["lossless"] == 1.0 for method, entry in greedy.items() if method != "target")
+    assert all(1.0 <= entry["tau"] <= 8.0 for entry in greedy.values())
+    assert "| dspark/full |" in (out / "eval.md").read_text()
+
+
+def test_demo_runs_the_pair(workspace, capsys):
+    import demo
+
+    summary = demo.main(["--target", str(workspace / "target"), "--draft", str(workspace / "dspark" / "final"),
+                         "--prompts", "1", "--max-new-tokens", "8", "--threads", "1"])
+    assert summary["lossless"] == "1/1" and summary["tau"] >= 1.0
+    assert "identical to plain greedy" in capsys.readouterr().out

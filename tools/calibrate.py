@@ -1,0 +1,154 @@
+#!/usr/bin/env python
+"""Calibrate a DSpark draft's confidence head by Sequential Temperature Scaling (STS).
+
+1. Rounds: greedy DSpark rounds anchored at every response token of held-out prompts answered greedily
+   by the target (tools/regenerate_data.py --temperature 0). Lossless greedy decoding reproduces those
+   continuations, so each round sees its decoding context; per round and block position k we keep the
+   raw confidence logit raw_k and the prefix-accept mask (d_1..d_{k+1} all accepted).
+2. Fit: one temperature per position, left to right. Position k takes the temperature of a grid of 41
+   log-spaced values in [0.1, 10] that minimises the expected calibration error of the survival
+   a_k = prod_{j<=k} sigmoid(raw_j / T_j) (earlier T_j already fitted) against the prefix-accept mask.
+3. Write: the temperatures go into the draft's config.json `confidence_temperatures` (only that key is
+   changed); the report (ECE of the survival per position and pooled, before = all temperatures 1, and
+   after) is written as calibration.json and calibration.txt in --out.
+
+Example:
+    python tools/calibrate.py --target embedded/target --draft embedded/dspark --data data/regen/heldout.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+import tools  # noqa: E402,F401
+from dspark.configuration_dspark import DSparkConfig  # noqa: E402
+from tools.common import (  # noqa: E402
+    DTYPES, RoundRecords, add_model_arguments, apply_threads, expected_calibration_error, load_dspark_draft,
+    load_target, read_jsonl, resolve_device, survival, teacher_forced_rounds, write_json,
+)
+
+TEMPERATURE_GRID = torch.logspace(-1, 1, 41, dtype=torch.float64)  # 0.1 .. 10
+
+
+def fit_sequential_temperatures(rounds: RoundRecords, num_bins: int = 10) -> list[float]:
+    """Per position, left to right, the grid temperature minimising the survival's ECE."""
+    raw = rounds.confidence_logits.double()
+    prefix_survival = torch.ones(raw.shape[0], dtype=torch.float64)
+    temperatures = []
+    for k in range(raw.shape[1]):
+        valid = rounds.valid[:, k]
+        outcome = rounds.accepted[valid, k]
+        errors = [
+            expected_calibration_error((prefix_survival * torch.sigmoid(raw[:, k] / t))[valid], outcome, num_bins)
+            for t in TEMPERATURE_GRID
+        ]
+        best = float(TEMPERATURE_GRID[min(range(len(errors)), key=errors.__getitem__)]) if valid.any() else 1.0
+        temperatures.append(best)
+        prefix_survival = prefix_survival * torch.sigmoid(raw[:, k] / best)
+    return temperatures
+
+
+def survival_ece(rounds: RoundRecords, temperatures: list[float] | None, num_bins: int = 10) -> dict:
+    """ECE of the survival per position and pooled over all valid (round, position) pairs."""
+    curve = survival(rounds.confidence_logits.double(), temperatures)
+    per_position = [
+        expected_calibration_error(curve[rounds.valid[:, k], k], rounds.accepted[rounds.valid[:, k], k], num_bins)
+        for k in range(curve.shape[1])
+    ]
+    pooled = expected_calibration_error(curve[rounds.valid], rounds.accepted[rounds.valid], num_bins)
+    return {"per_position": per_position, "pooled": pooled}
+
+
+def write_temperatures(draft_dir: str | Path, temperatures: list[float]) -> None:
+    """Set `confidence_temperatures` in config.json (nothing else changes), then check it loads back."""
+    path = Path(draft_dir) / "config.json"
+    config = json.loads(path.read_text())
+    config["confidence_temperatures"] = [round(t, 6) for t in temperatures]
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    loaded = DSparkConfig.from_pretrained(draft_dir).confidence_temperatures
+    if loaded != config["confidence_temperatures"]:
+        raise RuntimeError(f"{path}: wrote {config['confidence_temperatures']} but read back {loaded}")
+
+
+def collect_rounds(target, draft, records: list[dict], max_length: int) -> RoundRecords:
+    rounds = [
+        teacher_forced_rounds(target, draft, record["input_ids"][:max_length], record["prompt_len"])
+        for record in tqdm(records, desc="rounds", unit="prompt")
+    ]
+    return RoundRecords.concatenate(rounds)
+
+
+def check_greedy(data: str) -> None:
+    meta_path = Path(data).with_suffix(".meta.json")
+    if meta_path.exists() and json.loads(meta_path.read_text())["settings"]["temperature"] != 0:
+        raise SystemExit(f"{data} holds sampled continuations; calibrate on greedy ones (--temperature 0)")
+
+
+def report_text(report: dict) -> str:
+    lines = [f"Sequential Temperature Scaling on {report['rounds']} rounds ({report['positions']} positions)",
+             f"{'position':>8} {'T':>8} {'accept':>8} {'ECE before':>11} {'ECE after':>10}"]
+    before, after = report["ece_before"], report["ece_after"]
+    for k, t in enumerate(report["temperatures"]):
+        lines.append(f"{k + 1:>8} {t:>8.3f} {report['prefix_accept_rate'][k]:>8.3f} "
+                     f"{before['per_position'][k]:>11.4f} {after['per_position'][k]:>10.4f}")
+    lines.append(f"{'pooled':>8} {'':>8} {'':>8} {before['pooled']:>11.4f} {after['pooled']:>10.4f}")
+    return "\n".join(lines)
+
+
+def calibrate(args) -> dict:
+    check_greedy(args.data)
+    device = resolve_device(args.device)
+    target, _ = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
+    draft = load_dspark_draft(args.draft, device)
+    if draft.confidence_head is None:
+        raise SystemExit(f"{args.draft} has no confidence head (a DFlash draft): nothing to calibrate")
+    rounds = collect_rounds(target, draft, read_jsonl(args.data)[: args.limit], args.max_length)
+    temperatures = fit_sequential_temperatures(rounds, args.bins)
+    valid = rounds.valid.double()
+    report = {
+        "draft": str(args.draft), "data": str(args.data), "rounds": rounds.accepted.shape[0],
+        "positions": int(rounds.valid.sum()), "bins": args.bins, "temperatures": temperatures,
+        "prefix_accept_rate": ((rounds.accepted.double() * valid).sum(0) / valid.sum(0).clamp(min=1)).tolist(),
+        "greedy_acceptance_length": rounds.acceptance_length(),
+        "ece_before": survival_ece(rounds, None, args.bins),
+        "ece_after": survival_ece(rounds, temperatures, args.bins),
+        "written_to_config": not args.dry_run,
+    }
+    if not args.dry_run:
+        write_temperatures(args.draft, temperatures)
+    out = Path(args.out)
+    write_json(out / "calibration.json", report)
+    (out / "calibration.txt").write_text(report_text(report) + "\n")
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--draft", default="embedded/dspark", help="DSpark draft folder; its config.json is updated")
+    parser.add_argument("--data", default="data/regen/heldout.jsonl", help="held-out GREEDY regenerated data")
+    parser.add_argument("--limit", type=int, default=64, help="held-out sequences to use")
+    parser.add_argument("--max-length", type=int, default=1024, help="tokens per sequence (longer ones are cut)")
+    parser.add_argument("--bins", type=int, default=10, help="equal-width bins of the ECE")
+    parser.add_argument("--out", default="results/calibration", help="report folder")
+    parser.add_argument("--dry-run", action="store_true", help="report only, leave config.json untouched")
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    apply_threads(args)
+    report = calibrate(args)
+    print(report_text(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,347 @@
+#!/usr/bin/env python
+"""Evaluate speculative decoding of a target with a DSpark draft and the baselines, in one run.
+
+Methods (each at every --temperatures value, on every prompt of every --datasets set):
+  target             the target alone (`target.generate`), the reference for speed and for losslessness;
+  dspark/MODE        `dspark_generate` with the DSpark draft, one entry per --truncations mode
+                     (full: verify all drafts; threshold: stop at the first low confidence; schedule: the
+                     throughput-optimal verify length);
+  dflash             the DFlash ablation draft (--dflash) through the same loop (no confidence: full);
+  assistant          transformers' stock assisted generation with the AR assistant (--assistant);
+  prompt_lookup      transformers' prompt-lookup decoding (--prompt-lookup tokens per round).
+transformers refuses its stock assisted generation for stateful targets (kimi_linear): those baselines
+are then reported as unsupported, with transformers' reason.
+
+Per dataset, method and temperature: tau (tokens per target verification, bonus included), tokens/s,
+speedup over the target alone, and (temperature 0) the share of outputs identical to the target's greedy
+output. DSpark / DFlash add the conditional acceptance of each block position and the mean verify
+length. The calibration diagram compares the DSpark survival (with the config's temperatures, and with
+all temperatures 1) to the prefix-accept mask of greedy rounds on the target's temperature-0 answers.
+
+Outputs in --out: eval.json, eval.md, tau.png, acceptance.png, calibration.png.
+
+Example:
+    python tools/evaluate.py --draft embedded/dspark --dflash runs/dflash/final --assistant runs/assistant/final \\
+        --limit 10 --max-new-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+import tools  # noqa: E402,F401
+from dspark.generation_utils import dspark_generate  # noqa: E402
+from tools.common import (  # noqa: E402
+    DTYPES, ForwardCounter, RoundRecords, add_model_arguments, apply_threads, chat_prompt_ids,
+    expected_calibration_error,
+    load_dspark_draft, load_eval_prompts, load_target, reliability_bins, resolve_device, survival,
+    round_counts, sampling_kwargs, teacher_forced_rounds, write_json,
+)
+
+DATASETS = ("humaneval", "mbpp", "gsm8k", "math500", "mt-bench", "aime25")
+TRUNCATIONS = ("full", "threshold", "schedule")
+
+
+# ---------------------------------------------------------------------------------------------- methods
+class Evaluation:
+    """Runs every method on one prompt and accumulates the per-(temperature, dataset, method) totals."""
+
+    def __init__(self, args, target, tokenizer, drafts: dict, assistant):
+        self.args, self.target, self.tokenizer = args, target, tokenizer
+        self.drafts, self.assistant = drafts, assistant
+        self.totals = defaultdict(lambda: defaultdict(float))  # (T, dataset, method) -> sums
+        self.unsupported: dict[str, str] = {}
+        self.greedy_answers: list[tuple[list[int], int]] = []  # (sequence, prompt length) at temperature 0
+
+    def methods(self) -> list[str]:
+        names = ["target"]
+        if "dspark" in self.drafts:
+            names += [f"dspark/{mode}" for mode in self.args.truncations]
+        if "dflash" in self.drafts:
+            names.append("dflash")
+        if self.assistant is not None:
+            names.append("assistant")
+        if self.args.prompt_lookup:
+            names.append("prompt_lookup")
+        return names
+
+    def generate(self, method: str, input_ids: torch.Tensor, temperature: float, seed: int):
+        """(new token ids, counts to add up) of one method on one prompt. The counts of the stock methods
+        take every target forward as one verification."""
+        common = {"attention_mask": torch.ones_like(input_ids), "max_new_tokens": self.args.max_new_tokens,
+                  "pad_token_id": self.tokenizer.pad_token_id, **sampling_kwargs(temperature)}
+        torch.manual_seed(seed)
+        if method.startswith(("dspark", "dflash")):
+            draft = self.drafts["dspark" if method.startswith("dspark") else "dflash"]
+            truncation = method.split("/")[1] if "/" in method else "full"
+            output = dspark_generate(self.target, draft, input_ids, truncation=truncation, **common)
+            return output[0, input_ids.shape[1]:].tolist(), round_counts(draft.last_stats)
+        extra = {"assistant": {"assistant_model": self.assistant},
+                 "prompt_lookup": {"prompt_lookup_num_tokens": self.args.prompt_lookup}}.get(method, {})
+        with ForwardCounter(self.target) as counter:
+            output = self.target.generate(input_ids, **common, **extra)
+        tokens = output[0, input_ids.shape[1]:].tolist()
+        return tokens, {"verifications": counter.count, "round_tokens": len(tokens)}
+
+    def run_prompt(self, dataset: str, prompt: str, temperature: float, seed: int) -> None:
+        input_ids = torch.tensor([chat_prompt_ids(self.tokenizer, prompt)], device=self.target.device)
+        reference = None
+        for method in self.methods():
+            if method in self.unsupported:
+                continue
+            started = time.perf_counter()
+            try:
+                tokens, counts = self.generate(method, input_ids, temperature, seed)
+            except ValueError as error:  # transformers refuses stock assisted generation (stateful target)
+                if method not in ("assistant", "prompt_lookup"):
+                    raise
+                self.unsupported[method] = str(error).split("\n")[0]
+                continue
+            seconds = time.perf_counter() - started
+            totals = self.totals[temperature, dataset, method]
+            totals["prompts"] += 1
+            totals["new_tokens"] += len(tokens)
+            totals["seconds"] += seconds
+            add_counts(totals, counts)
+            if method == "target":
+                reference = tokens
+                if temperature == 0:
+                    self.greedy_answers.append((input_ids[0].tolist() + tokens, input_ids.shape[1]))
+            elif temperature == 0:
+                totals["lossless"] += float(tokens == reference)
+
+    def warm_up(self, prompt: str) -> None:
+        """One short run of every method, so that first-call costs do not count."""
+        max_new, self.args.max_new_tokens = self.args.max_new_tokens, 4
+        input_ids = torch.tensor([chat_prompt_ids(self.tokenizer, prompt)], device=self.target.device)
+        for method in self.methods():
+            try:
+                self.generate(method, input_ids, 0.0, 0)
+            except ValueError as error:
+                if method not in ("assistant", "prompt_lookup"):
+                    raise
+                self.unsupported[method] = str(error).split("\n")[0]
+        self.args.max_new_tokens = max_new
+
+
+# ---------------------------------------------------------------------------------------------- summary
+def add_counts(totals: dict, counts: dict) -> None:
+    """Add numbers, and lists element-wise (per block position)."""
+    for key, value in counts.items():
+        if isinstance(value, list):
+            current = totals.get(key) or [0] * len(value)
+            totals[key] = [a + b for a, b in zip(current, value)]
+        else:
+            totals[key] += value
+
+
+def summarize(evaluation: Evaluation) -> dict:
+    """results[T][dataset][method] (dataset 'all' pools the others): tau, tokens/s, speedup, lossless and, for
+    DSpark / DFlash, the conditional acceptance per block position and the mean verify length."""
+    pooled = defaultdict(lambda: defaultdict(float))
+    for (temperature, _, method), totals in evaluation.totals.items():
+        add_counts(pooled[temperature, "all", method], totals)
+    results: dict = {}
+    for (temperature, dataset, method), totals in {**evaluation.totals, **pooled}.items():
+        entry = {
+            "prompts": int(totals["prompts"]),
+            "new_tokens": int(totals["new_tokens"]),
+            "tokens_per_s": totals["new_tokens"] / max(totals["seconds"], 1e-9),
+            "tau": totals["round_tokens"] / max(totals["verifications"], 1),
+        }
+        if temperature == 0 and method != "target":
+            entry["lossless"] = totals["lossless"] / max(totals["prompts"], 1)
+        if totals.get("position_tried"):
+            entry["conditional_acceptance"] = [
+                a / t if t else None for a, t in zip(totals["position_accepted"], totals["position_tried"])
+            ]
+            entry["mean_verify_length"] = 1 + totals["verified_drafts"] / max(totals["verify_forwards"], 1)
+        results.setdefault(f"T={temperature:g}", {}).setdefault(dataset, {})[method] = entry
+    for per_dataset in results.values():
+        for per_method in per_dataset.values():
+            base = per_method.get("target", {}).get("tokens_per_s")
+            for entry in per_method.values():
+                entry["speedup"] = entry["tokens_per_s"] / base if base else None
+    return results
+
+
+def calibration_summary(target, draft, greedy_answers, bins: int) -> dict | None:
+    """Reliability of the DSpark survival on greedy rounds over the target's temperature-0 answers."""
+    if draft is None or draft.confidence_head is None or not greedy_answers:
+        return None
+    rounds = RoundRecords.concatenate([teacher_forced_rounds(target, draft, ids, n) for ids, n in greedy_answers])
+    if rounds.accepted.shape[0] == 0:
+        return None
+    summary = {"rounds": rounds.accepted.shape[0]}
+    for name, temperatures in (("uncalibrated", None), ("calibrated", draft.config.confidence_temperatures)):
+        curve = survival(rounds.confidence_logits.double(), temperatures)[rounds.valid]
+        outcome = rounds.accepted[rounds.valid]
+        summary[name] = {"temperatures": temperatures, "ece": expected_calibration_error(curve, outcome, bins),
+                         **reliability_bins(curve, outcome, bins)}
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------- report
+def markdown(report: dict) -> str:
+    lines = ["# Speculative decoding evaluation", "",
+             f"Target `{report['settings']['target']}`, {report['settings']['limit']} prompts per dataset, "
+             f"{report['settings']['max_new_tokens']} new tokens at most. Cells: tau (tokens per target "
+             "verification, bonus included) / speedup in tokens per second over the target alone.", ""]
+    for temperature, per_dataset in report["results"].items():
+        datasets = [d for d in per_dataset if d != "all"] + ["all"]
+        methods = list(per_dataset["all"])
+        lines += [f"## {temperature}", "", "| method | " + " | ".join(datasets) + " | tok/s (all) |",
+                  "|---" * (len(datasets) + 2) + "|"]
+        for method in methods:
+            cells = []
+            for dataset in datasets:
+                entry = per_dataset[dataset].get(method)
+                cells.append("-" if entry is None else f"{entry['tau']:.2f} / {entry['speedup']:.2f}x")
+            speed = per_dataset["all"][method]["tokens_per_s"]
+            lines.append(f"| {method} | " + " | ".join(cells) + f" | {speed:.1f} |")
+        lines.append("")
+        detail = [(m, e) for m, e in per_dataset["all"].items() if "conditional_acceptance" in e or "lossless" in e]
+        if detail:
+            lines += ["| method | lossless | mean verify length | conditional acceptance by position |",
+                      "|---|---|---|---|"]
+            for method, entry in detail:
+                acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in entry.get("conditional_acceptance", []))
+                verify = f"{entry['mean_verify_length']:.2f}" if "mean_verify_length" in entry else "-"
+                lossless = f"{entry['lossless']:.0%}" if "lossless" in entry else "-"
+                lines.append(f"| {method} | {lossless} | {verify} | {acceptance or '-'} |")
+            lines.append("")
+    for method, reason in report["unsupported"].items():
+        lines.append(f"- `{method}` not run: {reason}")
+    calibration = report.get("calibration")
+    if calibration:
+        lines += ["", f"Calibration of the survival on {calibration['rounds']} greedy rounds: ECE "
+                  f"{calibration['uncalibrated']['ece']:.4f} with all temperatures 1, "
+                  f"{calibration['calibrated']['ece']:.4f} with the config's temperatures."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4), squeeze=False)
+    for ax, (temperature, per_dataset) in zip(axes[0], results.items()):
+        datasets = list(per_dataset)
+        methods = list(per_dataset["all"])
+        width = 0.8 / len(methods)
+        for i, method in enumerate(methods):
+            values = [per_dataset[d].get(method, {}).get("tau", 0.0) for d in datasets]
+            ax.bar([x + i * width for x in range(len(datasets))], values, width, label=method)
+        ax.set_xticks([x + 0.4 - width / 2 for x in range(len(datasets))], datasets, rotation=30)
+        ax.set_ylabel("tau (tokens per verification)")
+        ax.set_title(f"tau per dataset, {temperature}")
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "tau.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for temperature, per_dataset in results.items():
+        for method, entry in per_dataset["all"].items():
+            rates = entry.get("conditional_acceptance")
+            if rates:
+                positions = [k + 1 for k, r in enumerate(rates) if r is not None]
+                ax.plot(positions, [r for r in rates if r is not None], marker="o", label=f"{method} {temperature}")
+    ax.set_xlabel("block position k")
+    ax.set_ylabel("P(accept k | 1..k-1 accepted)")
+    ax.set_ylim(0, 1)
+    ax.set_title("Conditional acceptance by position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    ax.plot([0, 1], [0, 1], color="gray", linestyle="--", label="perfect calibration")
+    calibration = report.get("calibration")
+    if calibration:
+        for name in ("uncalibrated", "calibrated"):
+            bins = calibration[name]
+            points = [(c, f) for c, f in zip(bins["confidence"], bins["frequency"]) if c is not None]
+            ax.plot(*zip(*points), marker="o", label=f"{name} (ECE {calibration[name]['ece']:.3f})")
+    else:
+        ax.text(0.5, 0.5, "no DSpark confidence head", ha="center")
+    ax.set_xlabel("predicted survival")
+    ax.set_ylabel("observed prefix acceptance")
+    ax.set_title("Calibration of the survival (greedy rounds)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "calibration.png", dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- main
+def evaluate(args) -> dict:
+    device = resolve_device(args.device)
+    target, tokenizer = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
+    paths = {"dspark": args.draft, "dflash": args.dflash}
+    drafts = {name: load_dspark_draft(path, device) for name, path in paths.items() if path}
+    assistant = None
+    if args.assistant:
+        from transformers import AutoModelForCausalLM
+
+        assistant = AutoModelForCausalLM.from_pretrained(args.assistant, dtype=DTYPES[args.dtype]).to(device).eval()
+    prompts = load_eval_prompts(args.datasets, args.limit, args.eval_dir)
+    evaluation = Evaluation(args, target, tokenizer, drafts, assistant)
+    evaluation.warm_up(next(iter(prompts.values()))[0])
+    jobs = [(t, d, i, p) for t in args.temperatures for d, ps in prompts.items() for i, p in enumerate(ps)]
+    for temperature, dataset, index, prompt in tqdm(jobs, desc="evaluate", unit="prompt"):
+        evaluation.run_prompt(dataset, prompt, temperature, args.seed + index)
+    report = {
+        "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "results": summarize(evaluation),
+        "unsupported": evaluation.unsupported,
+        "calibration": calibration_summary(target, drafts.get("dspark"), evaluation.greedy_answers, args.bins),
+    }
+    out = Path(args.out)
+    write_json(out / "eval.json", report)
+    (out / "eval.md").write_text(markdown(report))
+    plot(report, out)
+    return report
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--draft", default="embedded/dspark", help="DSpark draft folder ('' to skip)")
+    parser.add_argument("--dflash", default=None, help="DFlash ablation draft folder")
+    parser.add_argument("--assistant", default=None, help="autoregressive assistant folder (stock assisted generation)")
+    parser.add_argument("--prompt-lookup", type=int, default=7, help="prompt-lookup tokens per round (0 = skip)")
+    parser.add_argument("--datasets", nargs="+", default=list(DATASETS), help="shipped eval sets (default: all)")
+    parser.add_argument("--eval-dir", default=str(tools.REPO_ROOT / "eval"), help="folder of the eval JSON lines")
+    parser.add_argument("--limit", type=int, default=10, help="prompts per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    parser.add_argument("--truncations", nargs="+", choices=TRUNCATIONS, default=list(TRUNCATIONS))
+    parser.add_argument("--bins", type=int, default=10, help="bins of the calibration diagram")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="results/eval", help="output folder")
+    return parser
+
+
+def main(argv=None) -> dict:
+    args = build_parser().parse_args(argv)
+    apply_threads(args)
+    report = evaluate(args)
+    print(markdown(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+#!/usr/bin/env python
+"""Regenerate training data with the target: the target answers the corpus prompts itself.
+
+A draft learns to predict the TARGET, so (as SpecForge does) every training prompt is answered by the
+target, greedily (--temperature 0, the default) or sampled (--temperature > 0, plain softmax sampling:
+no top-k / top-p). Prompts are the `pair` records of tools/build_corpus.py (`{"kind": "pair", "prompt":
+...}`), rendered with tools/chat_format.py. Output, one JSON line per prompt:
+
+    {"input_ids": [prompt ..., response ..., <|eos|>], "prompt_len": int, "source": str}
+
+plus `{out}.meta.json` (target, settings, counts, time). The file is a cache: rerunning with the same
+settings continues where it stopped (batches are seeded by their index), other settings are refused.
+
+The held-out split answered greedily is what tools/calibrate.py fits temperatures on.
+
+Example:
+    python tools/regenerate_data.py --target embedded/target --corpus data/corpus/train.jsonl \\
+        --out data/regen/train.jsonl --max-prompts 4000 --max-new-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+import tools  # noqa: E402,F401
+from tools.common import (
+    DTYPES, add_model_arguments, apply_threads, chat_prompt_ids, load_target, read_jsonl, resolve_device,
+    sampling_kwargs, write_json,
+)
+
+
+def corpus_prompts(corpus: str, tokenizer, max_prompts: int, max_prompt_tokens: int) -> list[dict]:
+    """The first `max_prompts` pair prompts of the corpus that fit `max_prompt_tokens`, tokenized."""
+    prompts = []
+    for record in read_jsonl(corpus):
+        if record.get("kind") != "pair":
+            continue
+        ids = chat_prompt_ids(tokenizer, record["prompt"])
+        if len(ids) <= max_prompt_tokens:
+            prompts.append({"ids": ids, "source": record.get("source", "")})
+        if len(prompts) == max_prompts:
+            break
+    return prompts
+
+
+@torch.no_grad()
+def answer_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: int, temperature: float):
+    """The target's continuations (up to and including EOS) of left-padded prompts."""
+    pad_id = tokenizer.pad_token_id
+    eos_id = tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=target.device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=target.device)
+    output = target.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+        pad_token_id=pad_id, eos_token_id=eos_id, **sampling_kwargs(temperature),
+    )
+    answers = []
+    for row in output[:, width:].tolist():
+        answers.append(row[: row.index(eos_id) + 1] if eos_id in row else row)
+    return answers
+
+
+def regenerate(args) -> dict:
+    device = resolve_device(args.device)
+    target, tokenizer = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
+    out = Path(args.out)
+    meta_path = out.with_suffix(".meta.json")
+    settings = {
+        "target": str(args.target), "corpus": str(args.corpus), "temperature": args.temperature,
+        "max_new_tokens": args.max_new_tokens, "max_prompts": args.max_prompts,
+        "max_prompt_tokens": args.max_prompt_tokens, "batch_size": args.batch_size, "seed": args.seed,
+    }
+    done = 0
+    if out.exists() and meta_path.exists():
+        previous = json.loads(meta_path.read_text())
+        if previous["settings"] != settings:
+            raise SystemExit(f"{out} was generated with other settings ({previous['settings']}); pick another --out.")
+        done = len(read_jsonl(out))
+    elif out.exists():
+        raise SystemExit(f"{out} exists without {meta_path}; remove it or pick another --out.")
+
+    prompts = corpus_prompts(args.corpus, tokenizer, args.max_prompts, args.max_prompt_tokens)
+    # Similar lengths share a batch (little padding); the order is fixed, so a rerun resumes exactly.
+    prompts.sort(key=lambda p: len(p["ids"]))
+    batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_json(meta_path, {"settings": settings, "complete": False})
+    start, new_tokens = time.time(), 0
+    bar = tqdm(total=len(prompts), initial=done, desc="regenerate", unit="prompt")
+    with open(out, "a", encoding="utf-8") as f, bar:
+        for index, batch in enumerate(batches):
+            if (index + 1) * args.batch_size <= done:
+                continue
+            torch.manual_seed(args.seed + index)
+            answers = answer_batch(target, tokenizer, [p["ids"] for p in batch], args.max_new_tokens, args.temperature)
+            for prompt, answer in zip(batch, answers):
+                f.write(json.dumps({"input_ids": prompt["ids"] + answer, "prompt_len": len(prompt["ids"]),
+                                    "source": prompt["source"]}) + "\n")
+                new_tokens += len(answer)
+            f.flush()
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.time() - start):.0f}")
+    records = read_jsonl(out)
+    response_lengths = [len(r["input_ids"]) - r["prompt_len"] for r in records]
+    summary = {
+        "settings": settings, "complete": True, "records": len(records),
+        "response_tokens": sum(response_lengths),
+        "mean_response_tokens": sum(response_lengths) / max(1, len(records)),
+        "ended_with_eos": sum(r["input_ids"][-1] == tokenizer.eos_token_id for r in records),
+        "seconds_this_run": round(time.time() - start, 1),
+    }
+    write_json(meta_path, summary)
+    return summary
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_arguments(parser)
+    parser.add_argument("--corpus", default="data/corpus/train.jsonl", help="corpus JSON lines (default: %(default)s)")
+    parser.add_argument("--out", default="data/regen/train.jsonl", help="output JSON lines (default: %(default)s)")
+    parser.add_argument("--max-prompts", type=int, default=4000)
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampled")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    apply_threads(args)
+    print(json.dumps(regenerate(args), indent=2))
+
+
+if __name__ == "__main__":
+    main()
