@@ -171,6 +171,8 @@ def main(argv=None):
         chars = sum(len(r.get("prompt", "")) + len(r.get("response", "")) + len(r.get("text", "")) for r in recs)
         stats[split] = {"records": len(recs), "pairs": n_pair, "chunks": len(recs) - n_pair, "chars": chars}
     stats["roots"] = roots
+    stats["command"] = "python " + " ".join([os.path.relpath(os.path.abspath(sys.argv[0]))] + sys.argv[1:]) \
+        if argv is None else f"build_corpus.main({argv!r})"
     with open(os.path.join(args.out, "stats.json"), "w") as f:
         json.dump(stats, f, indent=1)
     print(json.dumps(stats, indent=1))
