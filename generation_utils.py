@@ -1,7 +1,51 @@
-"""DSpark speculative decoding for transformers targets."""
+"""DSpark speculative decoding for transformers targets.
+
+`dspark_generate(target, draft, input_ids, ...)` runs the DSpark loop (DSPARK.md section 2) with a transformers
+causal LM as the target; `install_generate_route()` (called when `modeling_dspark` is imported) makes the plain
+`target.generate(input_ids, assistant_model=draft, ...)` call land there. One round, per batch row:
+
+1. the draft context holds the target features (outputs of `target_layer_ids`) of every committed token
+   before the anchor (the last committed token);
+2. the draft drafts a block of S = block_size tokens with its Markov chain, plus confidences c_k;
+3. a verify length L <= S is chosen (`truncation`: all S, a survival threshold, or the throughput schedule);
+4. ONE target forward over [anchor, d_1 .. d_L] yields L + 1 next-token distributions (after every logits
+   processor of the target's generation config) and the features of those tokens;
+5. `verify_block` accepts n drafts and picks the next token (greedy: longest argmax match; sampling:
+   speculative sampling, lossless);
+6. the target cache is brought back to the committed tokens (anchor + n drafts): attention K/V by crop (or
+   masked holes when rows of a batch commit different counts), linear-attention conv windows by re-slicing and
+   recurrent states by replaying the recurrence on the committed tokens (or re-running them, see
+   `TargetCache`); the draft context appends the features of the committed tokens only.
+"""
+
+import functools
+import hashlib
+import inspect
+import json
+import os
+import sys
+import time
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import DynamicCache, GenerationMixin
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
+
+from .kernels import verify_block
+
+TRUNCATION_MODES = ("full", "threshold", "schedule")
+ROLLBACK_METHODS = ("auto", "replay", "rerun", "none")
+
+# Chunked delta-rule kernels whose inputs can be replayed with the matching token-by-token recurrence:
+# (module-level chunk function, recurrent function), looked up in the target's modeling module.
+DELTA_RULE_KERNELS = (
+    ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),  # kimi_linear (KDA)
+)
 
 
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
@@ -60,3 +104,854 @@ class TargetFeatureCapture:
             raise RuntimeError("DSpark: no target forward was captured yet.")
         device = self.device if self.device is not None else self._outputs[0].device
         return torch.cat([output.to(device, non_blocking=True) for output in self._outputs], dim=-1)
+
+
+def is_dspark_draft(model) -> bool:
+    """True for a DSpark draft, whichever copy of the remote code built it (duck typing, no isinstance)."""
+    return getattr(getattr(model, "config", None), "model_type", None) == "dspark"
+
+
+# ----------------------------------------------------------------------------------------------- statistics
+@dataclass
+class DSparkStats:
+    """What one `dspark_generate` call did (also stored on `draft.last_stats`).
+
+    A row-round is one batch row in one verify forward. tau = committed tokens per row-round (accepted
+    drafts + the bonus/correction token). `position_tried[k]` counts row-rounds that verified draft k+1 with
+    drafts 1..k accepted, `position_accepted[k]` those that accepted it: their ratio is the conditional
+    acceptance of block position k.
+    """
+
+    rollback: str = "crop"
+    truncation: str = "full"
+    rounds: int = 0
+    row_rounds: int = 0
+    committed_tokens: int = 0
+    generated_tokens: int = 0
+    verify_lengths: list[int] = field(default_factory=list)  # drafts verified per forward (L)
+    position_tried: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
+    time_prefill: float = 0.0
+    time_draft: float = 0.0
+    time_verify: float = 0.0
+    time_rollback: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        return self.committed_tokens / max(self.row_rounds, 1)
+
+    @property
+    def conditional_acceptance(self) -> list[float]:
+        return [a / t if t else float("nan") for a, t in zip(self.position_accepted, self.position_tried)]
+
+    def summary(self) -> dict:
+        return {**asdict(self), "tau": self.tau, "conditional_acceptance": self.conditional_acceptance}
+
+
+# ------------------------------------------------------------------------------------- verify-length choice
+@dataclass
+class SpsCurve:
+    """Target forward steps per second as a function of the tokens in one forward (DSPARK.md step 7).
+
+    `points` maps a token count (batch rows x tokens per row) to measured steps/s; other counts are linearly
+    interpolated (constant beyond the ends).
+    """
+
+    points: dict[int, float]
+
+    def __call__(self, num_tokens: int) -> float:
+        counts = sorted(self.points)
+        if num_tokens <= counts[0]:
+            return self.points[counts[0]]
+        for low, high in zip(counts, counts[1:]):
+            if num_tokens <= high:
+                weight = (num_tokens - low) / (high - low)
+                return (1 - weight) * self.points[low] + weight * self.points[high]
+        return self.points[counts[-1]]
+
+    def save(self, path: str | os.PathLike) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps({"points": {str(k): v for k, v in sorted(self.points.items())}}, indent=1))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "SpsCurve":
+        return cls({int(k): float(v) for k, v in json.loads(Path(path).read_text())["points"].items()})
+
+
+@torch.no_grad()
+def profile_sps(
+    target: nn.Module,
+    batch_size: int,
+    max_tokens_per_row: int,
+    context_length: int = 64,
+    repeats: int = 3,
+) -> SpsCurve:
+    """Time target forwards of [batch_size, t] tokens (t = 1 .. max_tokens_per_row) after a context of
+    `context_length` tokens; returns the median steps/s per token count (batch_size * t)."""
+    vocab_size = target.config.get_text_config(decoder=True).vocab_size
+    device = _input_device(target)
+    target_cache = TargetCache(target, rollback="none")  # timing only: recurrent states need no rollback
+    context = torch.randint(vocab_size, (batch_size, context_length), device=device)
+    target_cache.forward(context, torch.arange(context_length, device=device).expand(batch_size, -1), num_logits=1)
+    target_cache.start_recording()
+    points = {}
+    for tokens in range(1, max_tokens_per_row + 1):
+        input_ids = torch.randint(vocab_size, (batch_size, tokens), device=device)
+        position_ids = torch.arange(context_length, context_length + tokens, device=device).expand(batch_size, -1)
+        # Forget the timed tokens again (a one-token forward updates conv windows in place: keep it).
+        kept = torch.full((batch_size,), 1 if tokens == 1 else 0, device=device)
+        seconds = []
+        for _ in range(repeats + 1):  # the first run warms up
+            _synchronize(device)
+            start = time.perf_counter()
+            target_cache.forward(input_ids, position_ids, num_logits=tokens)
+            _synchronize(device)
+            seconds.append(time.perf_counter() - start)
+            target_cache.commit(kept)
+        points[batch_size * tokens] = 1.0 / sorted(seconds[1:])[len(seconds[1:]) // 2]
+    return SpsCurve(points)
+
+
+def default_sps_path(target: nn.Module) -> Path:
+    """~/.cache/dspark/sps/<target, dtype, device>.json: one curve per target and hardware."""
+    config = target.config.get_text_config(decoder=True)
+    device = _input_device(target)
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{torch.get_num_threads()}"
+    identity = json.dumps([type(target).__name__, config.to_json_string(), str(target.dtype), device_name])
+    key = hashlib.sha1(identity.encode()).hexdigest()[:16]
+    return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "sps" / f"{key}.json"
+
+
+def load_sps_curve(
+    target: nn.Module, batch_size: int, max_tokens_per_row: int, path: str | os.PathLike | None = None
+) -> SpsCurve:
+    """The cached SPS curve of this target (`path`, default `default_sps_path`), profiled and saved first if it
+    lacks the token counts of this batch size."""
+    path = Path(path) if path is not None else default_sps_path(target)
+    curve = SpsCurve.load(path) if path.exists() else SpsCurve({})
+    needed = {batch_size * t for t in range(1, max_tokens_per_row + 1)}
+    if not needed <= curve.points.keys():
+        curve.points.update(profile_sps(target, batch_size, max_tokens_per_row).points)
+        curve.save(path)
+    return curve
+
+
+def choose_num_drafts(
+    confidences: torch.Tensor | None,  # [B, S] c_k of the drafted block
+    max_drafts: torch.Tensor,  # [B] drafts each row may still verify (its token budget minus the bonus)
+    truncation: str,
+    threshold: float = 0.5,
+    sps: SpsCurve | None = None,
+) -> torch.Tensor:
+    """Drafts to verify per row [B] (DSPARK.md step 7). Every choice is made before verification, so every
+    mode is lossless.
+
+    full: every draft. threshold: the drafts whose survival a_k = c_1 * ... * c_k stays >= `threshold`.
+    schedule: one verify length L for the batch (the target forward is rectangular) maximising the expected
+    throughput (sum over rows of 1 + a_1 + ... + a_L) * SPS(rows * (L + 1)); L grows while that rises and
+    stops at the first drop.
+    """
+    if truncation == "full":
+        return max_drafts
+    survival = confidences.float().cumprod(dim=-1)  # [B, S]
+    if truncation == "threshold":
+        return torch.minimum((survival >= threshold).sum(-1), max_drafts)
+    batch_size, block_size = survival.shape
+    expected = torch.cat([survival.new_ones(batch_size, 1), 1 + survival.cumsum(-1)], dim=-1)  # [B, S + 1]
+    expected = expected.gather(1, torch.minimum(torch.arange(block_size + 1, device=expected.device), max_drafts[:, None]))
+    throughput = [float(expected[:, length].sum()) * sps(batch_size * (length + 1)) for length in range(block_size + 1)]
+    length = 0
+    while length < int(max_drafts.max()) and throughput[length + 1] >= throughput[length]:
+        length += 1
+    return max_drafts.clamp(max=length)
+
+
+# ------------------------------------------------------------------------------------------ target cache
+@dataclass
+class _DeltaRuleCall:
+    """Inputs of one linear-attention layer's recurrence during a verify forward (what a replay needs)."""
+
+    state: torch.Tensor  # the cache's recurrent state tensor (updated in place by the verify)
+    initial_state: torch.Tensor  # its value before the verify
+    inputs: tuple[torch.Tensor, ...]  # query, key, value, g, beta: [B, T, heads, ...]
+    kwargs: dict
+
+
+class TargetCache:
+    """The target's transformers cache, its attention slot mask and its rollback after a verify forward.
+
+    Attention layers (and conv windows) roll back by `crop`; when the rows of a batch commit different numbers
+    of tokens, the shortfall of a row stays in the cache as masked slots ("holes": `slot_mask` is 0 there).
+    Linear-attention layers are detected from the cache's layer types. Their conv windows are re-sliced per
+    row to end at the last committed token; their recurrent state, which `crop` cannot undo, is restored by:
+
+    - "replay": during the verify, keep the pre-verify state and the recurrence inputs (q, k, v, g, beta)
+      of the verify tokens (by intercepting the model's chunked delta-rule kernel, see `DELTA_RULE_KERNELS`),
+      then recompute the state over each row's committed tokens with the model's own token-by-token
+      recurrence. Tokens past a row's commit get g = 0 and beta = 0, an exact identity step. No weight reads.
+    - "rerun": snapshot the linear-attention states before the verify, restore them after it and re-run
+      the committed tokens through the target (one extra forward; the reference oracle). All rows commit the
+      batch minimum of accepted drafts, which keeps the cache rectangular and stays lossless.
+    - "none": leave the recurrent state as the verify left it (wrong after a rejection; a control only).
+    """
+
+    def __init__(self, target: nn.Module, rollback: str = "auto"):
+        if rollback not in ROLLBACK_METHODS:
+            raise ValueError(f"DSpark: unknown rollback {rollback!r}; choose one of {ROLLBACK_METHODS}.")
+        self.target = target
+        self.cache = DynamicCache(config=target.config.get_text_config(decoder=True))
+        self.kernels = _delta_rule_kernels(target)
+        if not self.linear_layers:
+            rollback = "crop"
+        elif rollback == "auto":
+            rollback = "replay" if self.kernels is not None else "rerun"
+        elif rollback == "replay" and self.kernels is None:
+            raise ValueError(
+                f"DSpark: rollback='replay' needs a known linear-attention recurrence; {type(target).__name__} has "
+                f"none of {[chunk for chunk, _ in DELTA_RULE_KERNELS]}. Use rollback='rerun'."
+            )
+        self.rollback = rollback
+        self.slot_mask: torch.Tensor | None = None  # [B, C] 1 where an attention slot holds a committed token
+        self.logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
+        self._verify: dict = {}  # what the last verify forward left for `commit`
+
+    @property
+    def linear_layers(self) -> list:
+        return [layer for layer in self.cache.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    @property
+    def attention_layers(self) -> list:
+        return [layer for layer in self.cache.layers if not isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+    @property
+    def uniform_commit(self) -> bool:
+        """Whether every row must commit the same number of tokens per round."""
+        return self.rollback == "rerun"
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [B, T]
+        position_ids: torch.Tensor,  # [B, T]
+        num_logits: int,
+        slot_valid: torch.Tensor | None = None,  # [B, T] 1 for real tokens (prompt padding: 0)
+        verify: bool = False,
+    ) -> torch.Tensor:
+        """One target forward that appends T tokens to the cache; returns the last `num_logits` logits [B, n, V].
+        `verify=True` prepares the rollback of these tokens (`commit`)."""
+        slot_valid = torch.ones_like(input_ids) if slot_valid is None else slot_valid.long()
+        self.slot_mask = slot_valid if self.slot_mask is None else torch.cat([self.slot_mask, slot_valid], dim=-1)
+        kwargs = {"logits_to_keep": num_logits} if self.logits_to_keep else {}
+        attention_mask = None if bool(self.slot_mask.all()) else self.slot_mask
+        with self._prepare_rollback(input_ids, position_ids, verify):
+            outputs = self.target(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                past_key_values=self.cache, use_cache=True, **kwargs,
+            )
+        return outputs.logits[:, -num_logits:]
+
+    def start_recording(self) -> None:
+        """After the prefill: keep full conv windows until `commit` (so they can be re-sliced per row)."""
+        self.cache.activate_past_recording()
+
+    @contextmanager
+    def _prepare_rollback(self, input_ids, position_ids, verify: bool):
+        self._verify = {"input_ids": input_ids, "position_ids": position_ids, "calls": []}
+        if not verify or input_ids.shape[1] == 1 or self.rollback in ("crop", "none"):
+            yield
+        elif self.rollback == "rerun":
+            self._verify["snapshot"] = [
+                ({i: s.clone() for i, s in layer.conv_states.items() if s is not None},
+                 {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None})
+                for layer in self.linear_layers
+            ]
+            yield
+        else:
+            with self._recording_delta_rule(self._verify["calls"]):
+                yield
+
+    @contextmanager
+    def _recording_delta_rule(self, calls: list[_DeltaRuleCall]):
+        module, chunk_name, _ = self.kernels
+        chunk = getattr(module, chunk_name)
+
+        def recording_chunk(query, key, value, g, beta, *args, initial_state=None, **kwargs):
+            if initial_state is not None:
+                calls.append(_DeltaRuleCall(initial_state, initial_state.clone(), (query, key, value, g, beta), kwargs))
+            return chunk(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+
+        setattr(module, chunk_name, recording_chunk)
+        try:
+            yield
+        finally:
+            setattr(module, chunk_name, chunk)
+
+    def commit(self, num_committed: torch.Tensor) -> None:
+        """Keep the first `num_committed[b]` tokens of the last verify forward in row b; forget the rest."""
+        verify_length = self._verify["input_ids"].shape[1]
+        if self.rollback == "rerun" and "snapshot" in self._verify:
+            self._rerun(int(num_committed[0]), verify_length)
+        else:
+            dropped = verify_length - num_committed  # [B]
+            self._drop_attention_slots(dropped, verify_length)
+            for layer in self.linear_layers:
+                _reslice_conv_windows(layer, dropped)
+            if self._verify["calls"] and bool((dropped > 0).any()):
+                self._replay(num_committed)
+        self._verify = {}  # drop the recorded inputs / snapshots
+
+    def _drop_attention_slots(self, dropped: torch.Tensor, verify_length: int) -> None:
+        common = int(dropped.min())
+        if common:
+            for layer in self.attention_layers:
+                layer.crop(-common)
+            self.slot_mask = self.slot_mask[:, :-common]
+        start = self.slot_mask.shape[1] - (verify_length - common)  # the verify slots that remain
+        offsets = torch.arange(verify_length - common, device=dropped.device)
+        holes = offsets[None, :] >= (verify_length - dropped)[:, None]  # [B, remaining verify slots]
+        self.slot_mask[:, start:] = self.slot_mask[:, start:].masked_fill(holes.to(self.slot_mask.device), 0)
+
+    def _replay(self, num_committed: torch.Tensor) -> None:
+        """Recompute every recorded layer's state over each row's committed tokens (one recurrence call per
+        device, all layers concatenated along heads)."""
+        _, _, recurrent_name = self.kernels
+        recurrent = getattr(self.kernels[0], recurrent_name)
+        calls_by_device: dict[torch.device, list[_DeltaRuleCall]] = {}
+        for call in self._verify["calls"]:
+            calls_by_device.setdefault(call.state.device, []).append(call)
+        for device, calls in calls_by_device.items():
+            query, key, value, g, beta = (torch.cat(parts, dim=2) for parts in zip(*(c.inputs for c in calls)))
+            tokens = torch.arange(query.shape[1], device=device)
+            committed = (tokens[None, :] < num_committed.to(device)[:, None]).float()  # [B, T]
+            g = g * committed.view(*committed.shape, *[1] * (g.dim() - 2))  # identity step past the commit
+            beta = beta * committed.view(*committed.shape, *[1] * (beta.dim() - 2))
+            kwargs = {k: v for k, v in calls[0].kwargs.items() if k not in ("output_final_state", "chunk_size", "cu_seqlens")}
+            initial_state = torch.cat([c.initial_state for c in calls], dim=1)
+            _, state = recurrent(query, key, value, g=g, beta=beta, initial_state=initial_state,
+                                 output_final_state=True, **kwargs)
+            for call, layer_state in zip(calls, state.split([c.state.shape[1] for c in calls], dim=1)):
+                call.state.copy_(layer_state)
+
+    def _rerun(self, num_committed: int, verify_length: int) -> None:
+        """Restore the pre-verify linear-attention states, drop the verify slots, re-run the committed tokens."""
+        for layer, (conv_states, recurrent_states) in zip(self.linear_layers, self._verify.pop("snapshot")):
+            layer.conv_states.update(conv_states)
+            for index, state in recurrent_states.items():
+                layer.recurrent_states[index].copy_(state)
+        for layer in self.attention_layers:
+            layer.crop(-verify_length)
+        self.slot_mask = self.slot_mask[:, :-verify_length]
+        input_ids = self._verify["input_ids"][:, :num_committed]
+        self.forward(input_ids, self._verify["position_ids"][:, :num_committed], num_logits=1)
+        for layer in self.linear_layers:
+            _reslice_conv_windows(layer, torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device))
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` of the batch (finished rows leave)."""
+        self.cache.reorder_cache(rows)
+        self.slot_mask = self.slot_mask[rows.to(self.slot_mask.device)]
+
+
+def _reslice_conv_windows(layer: LinearAttentionCacheLayerMixin, dropped: torch.Tensor) -> None:
+    """Per row, keep the conv window (kernel size) that ends `dropped[b]` columns before the recorded end.
+    Equal to `layer.crop(-dropped)` when every row drops the same count."""
+    for index, conv in layer.conv_states.items():
+        if conv is None:
+            continue
+        kernel = layer.conv_kernel_size[index]
+        start = conv.shape[-1] - kernel - dropped.to(conv.device)  # [B]
+        columns = start[:, None] + torch.arange(kernel, device=conv.device)  # [B, kernel]
+        layer.conv_states[index] = conv.gather(-1, columns[:, None, :].expand(-1, conv.shape[1], -1))
+
+
+def _delta_rule_kernels(target: nn.Module):
+    """(module, chunk name, recurrent name) of the target's chunked delta-rule kernel, or None."""
+    module = sys.modules.get(type(target).__module__)
+    for chunk_name, recurrent_name in DELTA_RULE_KERNELS:
+        if hasattr(module, chunk_name) and hasattr(module, recurrent_name):
+            return module, chunk_name, recurrent_name
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ generation
+def check_pair(target: nn.Module, draft: nn.Module) -> None:
+    """Raise if the draft cannot serve this target (before any work)."""
+    target_config = target.config.get_text_config(decoder=True)
+    draft_config = draft.config
+    if target_config.hidden_size != draft_config.hidden_size:
+        raise ValueError(
+            f"DSpark: the draft has hidden_size {draft_config.hidden_size} but the target "
+            f"{type(target).__name__} has {target_config.hidden_size}: the draft reads the target's hidden states and "
+            "shares its embedding and LM head. Use the target the draft was trained for."
+        )
+    if target_config.vocab_size != draft_config.vocab_size:
+        raise ValueError(
+            f"DSpark: the draft's vocab_size is {draft_config.vocab_size} but the target's is "
+            f"{target_config.vocab_size}: draft and target must share one tokenizer. Use the target the draft was "
+            "trained for."
+        )
+    num_layers = len(decoder_layers(target))
+    if max(draft_config.target_layer_ids) >= num_layers:
+        raise ValueError(
+            f"DSpark: the draft reads target layers {draft_config.target_layer_ids} but {type(target).__name__} has "
+            f"only {num_layers} layers (the draft was trained on a {draft_config.num_target_layers}-layer target). "
+            "Use the target the draft was trained for."
+        )
+    if target.dtype == torch.float16:
+        warnings.warn(
+            "DSpark: the target runs in float16; its hidden states (the draft's features) can overflow float16. "
+            "Load the target in bfloat16 or float32.",
+            stacklevel=3,
+        )
+
+
+@torch.no_grad()
+def dspark_generate(
+    target: nn.Module,
+    draft: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    generation_config=None,
+    truncation: str = "full",
+    confidence_threshold: float = 0.5,
+    sps_curve: SpsCurve | str | os.PathLike | None = None,
+    rollback: str = "auto",
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    prefix_allowed_tokens_fn=None,
+    streamer=None,
+    tokenizer=None,
+    negative_prompt_ids: torch.Tensor | None = None,
+    negative_prompt_attention_mask: torch.Tensor | None = None,
+    **kwargs,
+):
+    """Generate with `target`, drafting with the DSpark `draft`: the same tokens as `target.generate` (greedy) or
+    the same distribution (sampling, every logits processor of the target applied to p).
+
+    Args:
+        target: a transformers decoder-only causal LM (dense, MLA, or hybrid with linear attention, e.g. kimi_linear;
+            accelerate `device_map` dispatch included).
+        draft: a DSpark draft (`AutoModel.from_pretrained(repo, trust_remote_code=True)`), on one device.
+        input_ids, attention_mask: [B, P] prompts, left-padded for B > 1.
+        generation_config, **kwargs: as for `target.generate` (max_new_tokens, do_sample, temperature, top_k,
+            top_p, eos_token_id, stop_strings (with `tokenizer`), return_dict_in_generate, output_scores, ...).
+        truncation: "full" (verify all drafts), "threshold" (verify while the survival c_1*...*c_k stays >=
+            `confidence_threshold`) or "schedule" (maximise expected tokens/s with the SPS curve `sps_curve`: an
+            `SpsCurve`, a JSON path, or None for the profiled default under ~/.cache/dspark).
+        rollback: stateful targets only: "auto" (replay when the recurrence is known, else rerun), "replay",
+            "rerun" or "none" (a control that is not lossless), see `TargetCache`.
+
+    Returns the sequences [B, P + new] (rows that finished early are padded with pad_token_id, as `generate`
+    does), or a `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`. Statistics: `draft.last_stats`
+    (`DSparkStats`).
+    """
+    start = time.perf_counter()
+    check_pair(target, draft)
+    setup = _GenerationSetup.build(
+        target, input_ids, attention_mask, generation_config, kwargs, logits_processor, stopping_criteria,
+        prefix_allowed_tokens_fn, tokenizer, negative_prompt_ids, negative_prompt_attention_mask,
+    )
+    if truncation not in TRUNCATION_MODES:
+        raise ValueError(f"DSpark: unknown truncation {truncation!r}; choose one of {TRUNCATION_MODES}.")
+    if truncation != "full" and draft.confidence_head is None:
+        raise ValueError(f"DSpark: truncation={truncation!r} needs the draft's confidence head; use truncation='full'.")
+    if streamer is not None and setup.input_ids.shape[0] > 1:
+        raise ValueError("DSpark: streamers take one sequence; stream with batch size 1 or pass streamer=None.")
+    prompt_length = int(setup.attention_mask.sum(-1).max())
+    if prompt_length > draft.config.trained_context_length:
+        warnings.warn(
+            f"DSpark: the prompt has {prompt_length} tokens, more than the draft's trained context of "
+            f"{draft.config.trained_context_length}: acceptance (not correctness) may drop. Shorten the prompt to "
+            "keep the full speed-up.",
+            stacklevel=2,
+        )
+    if truncation == "schedule" and not isinstance(sps_curve, SpsCurve):
+        sps_curve = load_sps_curve(target, setup.input_ids.shape[0], draft.config.block_size + 1, sps_curve)
+
+    decoder = _DSparkDecoder(target, draft, setup, truncation, confidence_threshold, sps_curve, rollback, streamer)
+    output = decoder.run()
+    decoder.stats.time_total = time.perf_counter() - start
+    draft.last_stats = decoder.stats
+    return output
+
+
+@dataclass
+class _GenerationSetup:
+    """Everything `target.generate` prepares before its decoding loop, prepared by the target's own helpers."""
+
+    input_ids: torch.Tensor  # [B, P]
+    attention_mask: torch.Tensor  # [B, P] long
+    generation_config: object
+    logits_processor: LogitsProcessorList
+    stopping_criteria: StoppingCriteriaList
+
+    @classmethod
+    def build(cls, target, input_ids, attention_mask, generation_config, kwargs, logits_processor, stopping_criteria,
+              prefix_allowed_tokens_fn, tokenizer, negative_prompt_ids, negative_prompt_attention_mask):
+        has_default_max_length = (
+            kwargs.get("max_length") is None
+            and (generation_config is None or generation_config.max_length is None)
+            and target.generation_config.max_length is None
+        )
+        has_default_min_length = (
+            kwargs.get("min_length") is None
+            and (generation_config is None or generation_config.min_length is None)
+            and target.generation_config.min_length is None
+        )
+        generation_config, model_kwargs = target._prepare_generation_config(generation_config, **kwargs)
+        unsupported = sorted(set(model_kwargs) - {"use_cache"})
+        if unsupported:
+            raise ValueError(f"DSpark: unsupported generate arguments {unsupported}; remove them.")
+        _check_generation_config(generation_config)
+
+        input_ids, _, _ = target._prepare_model_inputs(input_ids, generation_config.bos_token_id, {})
+        batch_size, prompt_length = input_ids.shape
+        target._prepare_special_tokens(generation_config, attention_mask is not None, input_ids.device, batch_size)
+        if attention_mask is None:
+            attention_mask = target._prepare_attention_mask_for_generation(input_ids, generation_config, {})
+        generation_config = target._prepare_generated_length(
+            generation_config, has_default_max_length, has_default_min_length, "input_ids", prompt_length, input_ids
+        )
+        target._validate_generated_length(generation_config, prompt_length, has_default_max_length)
+        logits_processor = target._get_logits_processor(
+            generation_config=generation_config,
+            input_ids_seq_length=prompt_length,
+            encoder_input_ids=input_ids,
+            prefix_allowed_tokens_fn=prefix_allowed_tokens_fn,
+            logits_processor=logits_processor if logits_processor is not None else LogitsProcessorList(),
+            device=input_ids.device,
+            model_kwargs={"attention_mask": attention_mask},
+            negative_prompt_ids=negative_prompt_ids,
+            negative_prompt_attention_mask=negative_prompt_attention_mask,
+        )
+        stopping_criteria = target._get_stopping_criteria(
+            generation_config, stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(), tokenizer
+        )
+        return cls(input_ids, attention_mask.long(), generation_config, logits_processor, stopping_criteria)
+
+
+def _check_generation_config(generation_config) -> None:
+    if generation_config.num_beams > 1:
+        raise ValueError(
+            f"DSpark: beam search (num_beams={generation_config.num_beams}) cannot be speculated; use num_beams=1 "
+            "(greedy or sampling) with a DSpark assistant, or drop the assistant for beam search."
+        )
+    if generation_config.num_return_sequences > 1:
+        raise ValueError(
+            f"DSpark: num_return_sequences={generation_config.num_return_sequences} is not supported; repeat the "
+            "prompt in the batch instead (each row samples independently)."
+        )
+    if generation_config.output_attentions or generation_config.output_hidden_states:
+        raise ValueError(
+            "DSpark: output_attentions / output_hidden_states are not returned by speculative decoding; drop them "
+            "(output_scores and output_logits are supported)."
+        )
+    if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
+        raise ValueError("DSpark: classifier-free guidance (guidance_scale) is not supported; remove guidance_scale.")
+
+
+class _DSparkDecoder:
+    """The DSpark decoding loop over a batch; rows that finish leave the batch."""
+
+    def __init__(self, target, draft, setup: _GenerationSetup, truncation, threshold, sps, rollback, streamer):
+        self.target, self.draft, self.setup = target, draft, setup
+        self.truncation, self.threshold, self.sps = truncation, threshold, sps
+        self.streamer = streamer
+        config = setup.generation_config
+        self.do_sample = bool(config.do_sample)
+        self.temperature = float(config.temperature or 1.0) if self.do_sample else 0.0
+        self.processors, self.criteria = setup.logits_processor, setup.stopping_criteria
+        # As `generate`: with an EOS criterion, a finished row is padded; without one it keeps generating
+        # until every row has stopped.
+        self.pad_finished = any(hasattr(criterion, "eos_token_id") for criterion in self.criteria)
+        self.device = setup.input_ids.device
+        self.draft_device = next(draft.parameters()).device
+        self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+
+        batch_size, self.prompt_length = setup.input_ids.shape
+        self.max_new_tokens = config.max_length - self.prompt_length
+        pad = config._pad_token_tensor
+        self.sequences = setup.input_ids.new_full((batch_size, config.max_length), 0 if pad is None else int(pad))
+        self.sequences[:, : self.prompt_length] = setup.input_ids
+        self.num_generated = [0] * batch_size
+        self.stop_step: list[int | None] = [None] * batch_size
+        self.num_running = batch_size  # rows whose stopping criteria have not fired yet
+        self.last_stop_step: int | None = None  # the step at which the last row stopped
+        self.want_scores = config.return_dict_in_generate and config.output_scores
+        self.want_logits = config.return_dict_in_generate and config.output_logits
+        self.row_scores = [[] for _ in range(batch_size)]
+        self.row_logits = [[] for _ in range(batch_size)]
+
+        self.target_cache = TargetCache(target, rollback)
+        self.context = draft.new_context_cache()
+        self.stats = DSparkStats(rollback=self.target_cache.rollback, truncation=truncation,
+                                 position_tried=[0] * draft.config.block_size,
+                                 position_accepted=[0] * draft.config.block_size)
+
+    # ------------------------------------------------------------------ loop
+    def run(self):
+        if self.streamer is not None:
+            self.streamer.put(self.setup.input_ids.cpu())
+        with TargetFeatureCapture(self.target, self.draft.config.target_layer_ids, self.draft_device) as capture:
+            rows, anchors, positions = self._prefill(capture)
+            while len(rows):
+                rows, anchors, positions = self._round(capture, rows, anchors, positions)
+        if self.streamer is not None:
+            self.streamer.end()
+        return self._output()
+
+    def _prefill(self, capture: TargetFeatureCapture):
+        start = time.perf_counter()
+        input_ids, prompt_mask = self.setup.input_ids, self.setup.attention_mask
+        positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)
+        logits = self.target_cache.forward(input_ids, positions, num_logits=1, slot_valid=prompt_mask)[:, 0].float()
+        self.target_cache.start_recording()
+        self.draft.append_context(
+            self.context, capture.features(), positions.to(self.draft_device), prompt_mask.bool().to(self.draft_device)
+        )
+        scores = self.processors(input_ids, logits.clone()) if len(self.processors) else logits
+        tokens = self._sample(scores)
+        rows = torch.arange(input_ids.shape[0], device=self.device)
+        for row, token in enumerate(tokens.tolist()):
+            self._emit(row, [token], scores[row : row + 1], logits[row : row + 1])
+        self.stats.time_prefill = time.perf_counter() - start
+        return self._keep_unfinished(rows, tokens, prompt_mask.sum(-1))
+
+    def _round(self, capture: TargetFeatureCapture, rows, anchors, positions):
+        """Draft, verify, commit and emit once for the active `rows` (original batch indices)."""
+        stats = self.stats
+        budget = torch.tensor([self._budget(row) for row in rows.tolist()], device=self.device)  # tokens left
+        max_drafts = (budget - 1).clamp(min=0, max=self.draft.config.block_size)
+
+        start = time.perf_counter()
+        draft_tokens = draft_logits = None
+        num_drafts = torch.zeros_like(max_drafts)
+        if int(max_drafts.max()) > 0:
+            block = self._draft(anchors, positions)
+            confidences = None if block.confidences is None else block.confidences.to(self.device)
+            num_drafts = choose_num_drafts(confidences, max_drafts, self.truncation, self.threshold, self.sps)
+            draft_tokens, draft_logits = block.tokens.to(self.device), block.logits
+        num_verified = int(num_drafts.max())
+        _synchronize(self.draft_device)
+        stats.time_draft += time.perf_counter() - start
+
+        start = time.perf_counter()
+        verify_ids = torch.cat([anchors[:, None], draft_tokens[:, :num_verified]], dim=-1) if num_verified else anchors[:, None]
+        verify_positions = positions[:, None] + torch.arange(num_verified + 1, device=self.device)
+        logits = self.target_cache.forward(verify_ids, verify_positions, num_verified + 1, verify=True).float()
+        features = capture.features()  # [B, L + 1, n * H] on the draft's device
+        scores = self._process(rows, verify_ids, logits)  # [B, L + 1, V]
+        num_accepted, next_tokens = self._verify(scores, verify_ids[:, 1:], draft_logits, num_drafts, num_verified)
+        stats.time_verify += time.perf_counter() - start
+        self._count(num_drafts, num_accepted, num_verified)
+
+        start = time.perf_counter()
+        self.target_cache.commit(num_accepted + 1)
+        _synchronize(self.device)
+        stats.time_rollback += time.perf_counter() - start
+
+        start = time.perf_counter()
+        committed = torch.arange(num_verified + 1, device=self.device)[None, :] <= num_accepted[:, None]
+        self.draft.append_context(
+            self.context, features, verify_positions.to(self.draft_device), committed.to(self.draft_device)
+        )
+        stats.time_draft += time.perf_counter() - start
+
+        emitted = torch.cat([verify_ids[:, 1:], next_tokens[:, None]], dim=-1)  # drafts, then the last slot below
+        emitted[torch.arange(len(rows), device=self.device), num_accepted] = next_tokens
+        for index, (row, count) in enumerate(zip(rows.tolist(), (num_accepted + 1).tolist())):
+            self._emit(row, emitted[index, :count].tolist(), scores[index, :count],
+                       logits[index, :count] if self.want_logits else None)
+        return self._keep_unfinished(rows, next_tokens, positions + num_accepted + 1)
+
+    def _draft(self, anchors: torch.Tensor, positions: torch.Tensor):
+        """Draft one block per row (tokens, the logits q they were drawn from, confidences)."""
+        draft_anchors = anchors.to(self.draft_device)
+        embeds, block_positions = self.draft.block_inputs(draft_anchors, positions.to(self.draft_device), self.embed_tokens)
+        hidden = self.draft(embeds.to(self.draft_device), block_positions, self.context)
+        seeds = _random_seeds(len(anchors), self.draft_device) if self.do_sample else None
+        return self.draft.draft_block(hidden, draft_anchors, self.lm_head, self.temperature, seeds)
+
+    def _process(self, rows: torch.Tensor, verify_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The target's logits processors applied position by position, each row's sequence extended by the
+        verified drafts before that position (as `generate` would have seen it). Rows of equal length are
+        processed together."""
+        if not len(self.processors):
+            return logits
+        scores = logits.clone()
+        lengths = torch.tensor([self.prompt_length + self.num_generated[row] for row in rows.tolist()])
+        for length in lengths.unique().tolist():
+            index = (lengths == length).nonzero()[:, 0].to(self.device)
+            sequences = torch.cat([self.sequences[rows[index], :length], verify_ids[index, 1:]], dim=-1)
+            for k in range(verify_ids.shape[1]):
+                scores[index, k] = self.processors(sequences[:, : length + k], scores[index, k])
+        return scores
+
+    def _verify(self, scores, drafts, draft_logits, num_drafts, num_verified):
+        """(accepted drafts [B], next token [B]) by DSPARK.md step 8; rerun rollback commits the batch minimum."""
+        if num_verified == 0:
+            next_tokens = self._sample(scores[:, 0])
+            return torch.zeros_like(next_tokens), next_tokens
+        q_logits = draft_logits[:, :num_verified].to(self.device) if self.do_sample else None
+        seeds = _random_seeds(len(drafts), self.device) if self.do_sample else None
+        num_accepted, next_tokens = verify_block(scores, drafts, q_logits, num_drafts, seeds)
+        if self.target_cache.uniform_commit:
+            common = num_accepted.min()
+            rows = torch.arange(len(drafts), device=drafts.device)
+            next_tokens = torch.where(num_accepted > common, drafts[rows, common.clamp(max=num_verified - 1)], next_tokens)
+            num_accepted = torch.full_like(num_accepted, int(common))
+        return num_accepted, next_tokens
+
+    def _sample(self, scores: torch.Tensor) -> torch.Tensor:
+        """The next token [B] from processed scores [B, V], as plain decoding picks it."""
+        if self.do_sample:
+            return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1)[:, 0]
+        return scores.argmax(dim=-1)
+
+    def _count(self, num_drafts: torch.Tensor, num_accepted: torch.Tensor, num_verified: int) -> None:
+        stats = self.stats
+        stats.rounds += 1
+        stats.row_rounds += len(num_accepted)
+        stats.committed_tokens += int((num_accepted + 1).sum())
+        stats.verify_lengths.append(num_verified)
+        for k in range(num_verified):
+            stats.position_tried[k] += int(((num_drafts > k) & (num_accepted >= k)).sum())
+            stats.position_accepted[k] += int((num_accepted > k).sum())
+
+    # ------------------------------------------------------------------ rows
+    def _sequence(self, row: int) -> torch.Tensor:
+        return self.sequences[row, : self.prompt_length + self.num_generated[row]]
+
+    def _emit(self, row: int, tokens: list[int], scores: torch.Tensor, logits: torch.Tensor | None) -> None:
+        """Append tokens to a row one at a time, checking the stopping criteria after each as `generate` does."""
+        for index, token in enumerate(tokens):
+            length = self.prompt_length + self.num_generated[row]
+            self.sequences[row, length] = token
+            self.num_generated[row] += 1
+            self.stats.generated_tokens += 1
+            if self.want_scores:
+                self.row_scores[row].append(scores[index])
+            if self.want_logits:
+                self.row_logits[row].append(logits[index])
+            if self.stop_step[row] is None and bool(self.criteria(self.sequences[row : row + 1, : length + 1], None)[0]):
+                self.stop_step[row] = self.num_generated[row]
+                self.num_running -= 1
+                if self.num_running == 0:
+                    self.last_stop_step = max(self.stop_step)
+            if self._finished(row):
+                tokens = tokens[: index + 1]
+                break
+        if self.streamer is not None:
+            self.streamer.put(torch.tensor([tokens]))
+
+    def _budget(self, row: int) -> int:
+        """Tokens row may still emit: up to max_new_tokens, or (no EOS criterion) up to the last row's stop."""
+        limit = self.max_new_tokens
+        if not self.pad_finished and self.last_stop_step is not None:
+            limit = self.last_stop_step
+        return limit - self.num_generated[row]
+
+    def _finished(self, row: int) -> bool:
+        return (self.pad_finished and self.stop_step[row] is not None) or self._budget(row) <= 0
+
+    def _keep_unfinished(self, rows, anchors, positions):
+        keep = torch.tensor([not self._finished(row) for row in rows.tolist()], device=self.device)
+        if bool(keep.all()):
+            return rows, anchors, positions
+        index = keep.nonzero()[:, 0]
+        self.target_cache.select_rows(index)
+        _select_context_rows(self.context, index.to(self.draft_device))
+        return rows[index], anchors[index], positions[index]
+
+    def _output(self):
+        config = self.setup.generation_config
+        length = self.prompt_length + (self.last_stop_step if not self.pad_finished else max(self.num_generated))
+        sequences = self.sequences[:, :length]
+        if not config.return_dict_in_generate:
+            return sequences
+        return GenerateDecoderOnlyOutput(
+            sequences=sequences,
+            scores=_steps(self.row_scores, length - self.prompt_length) if self.want_scores else None,
+            logits=_steps(self.row_logits, length - self.prompt_length) if self.want_logits else None,
+            past_key_values=self.target_cache.cache,
+        )
+
+
+def _steps(per_row: list[list[torch.Tensor]], num_steps: int) -> tuple[torch.Tensor, ...]:
+    """Per-row lists of [V] tensors -> a tuple of num_steps [B, V] tensors (zeros after a row finished)."""
+    template = next(values[0] for values in per_row if values)
+    return tuple(
+        torch.stack([values[step] if step < len(values) else torch.zeros_like(template) for values in per_row])
+        for step in range(num_steps)
+    )
+
+
+def _select_context_rows(context, rows: torch.Tensor) -> None:
+    """Keep only `rows` of a draft context cache."""
+    context.keys = [None if keys is None else keys[rows] for keys in context.keys]
+    context.values = [None if values is None else values[rows] for values in context.values]
+    context.lengths = context.lengths[rows]
+
+
+def _random_seeds(batch_size: int, device: torch.device) -> torch.Tensor:
+    """[B] int64 seeds for the counter-based samplers, drawn from torch's global RNG (so torch.manual_seed
+    makes a run reproducible)."""
+    return torch.randint(0, 2**31 - 1, (batch_size,)).to(device)
+
+
+def _input_device(target: nn.Module) -> torch.device:
+    """Where a target's inputs go: the embedding's execution device under accelerate, else the model's."""
+    hook = getattr(target.get_input_embeddings(), "_hf_hook", None)
+    device = getattr(hook, "execution_device", None)
+    return torch.device(device) if device is not None else target.device
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------------------------------- routing
+def install_generate_route() -> None:
+    """Make `GenerationMixin.generate(..., assistant_model=<DSpark draft>)` run `dspark_generate`.
+
+    Idempotent (also across copies of this module). Every call without a DSpark assistant, or with
+    `custom_generate`, runs the original `generate` unchanged.
+    """
+    original = GenerationMixin.generate
+    if getattr(original, "_dspark_route", False):
+        return
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        assistant = kwargs.get("assistant_model")
+        if assistant is None and args:
+            assistant = signature.bind(self, *args, **kwargs).arguments.get("assistant_model")
+        if not is_dspark_draft(assistant) or kwargs.get("custom_generate") is not None:
+            return original(self, *args, **kwargs)
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        extra = arguments.pop("kwargs", {})
+        for name in ("self", "assistant_model", "synced_gpus", "custom_generate"):
+            arguments.pop(name, None)
+        extra.pop("trust_remote_code", None)
+        inputs = arguments.pop("inputs", None)
+        input_ids = inputs if inputs is not None else extra.pop("input_ids", None)
+        return dspark_generate(self, assistant, input_ids, **arguments, **extra)
+
+    generate._dspark_route = True
+    GenerationMixin.generate = generate
+
+
+__all__ = [
+    "DSparkStats",
+    "SpsCurve",
+    "TargetCache",
+    "TargetFeatureCapture",
+    "choose_num_drafts",
+    "dspark_generate",
+    "install_generate_route",
+    "is_dspark_draft",
+    "load_sps_curve",
+    "profile_sps",
+]

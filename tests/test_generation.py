@@ -1,0 +1,178 @@
+"""DSpark decoding is lossless: token-identical to plain greedy `generate`, the target's distribution when sampling.
+
+Targets: tiny float32 Qwen3 (dense), DeepseekV3 (MLA) and kimi_linear (stateful hybrid), see tiny_models.py.
+"""
+
+import pytest
+import torch
+from tiny_models import (
+    TARGET_NAMES,
+    TARGETS,
+    agreeing_prompts,
+    draft_config,
+    fitted_draft,
+    left_pad,
+    qwen3_target,
+    random_prompts,
+)
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from dspark.generation_utils import SpsCurve, TargetCache, dspark_generate
+from dspark.modeling_dspark import DSparkDraftModel
+
+# A made-up SPS curve (steps/s vs tokens per forward) whose decline makes `schedule` verify fewer than 7 drafts.
+SPS = SpsCurve({1: 100.0, 8: 70.0, 24: 30.0})
+TRUNCATIONS = {"full": {}, "threshold": {"confidence_threshold": 0.9}, "schedule": {"sps_curve": SPS}}
+
+
+def _greedy_cases(name: str) -> list[tuple[list[torch.Tensor], int, str, bool]]:
+    """(prompts, max_new_tokens, truncation, eos inside the output) cases, batch 1 and batch 3 (left-padded):
+    44 prompts for a dense target, 27 for the (slower on CPU) stateful one."""
+    modes = list(TRUNCATIONS)
+    agreeing = agreeing_prompts(name, 16, seed=1)
+    random = random_prompts(16, 2, 9, seed=2)
+    batch_1 = (1, 2, 6, 7, 8, 9, 50) if name != "kimi_linear" else (1, 2, 7, 8, 9)
+    cases = [([agreeing[i] if i % 2 else random[i]], n, modes[i % 3], False) for i, n in enumerate(batch_1)]
+    cases.append(([agreeing[7]], 12, "full", True))
+    batch_3 = [(9, False), (12, True)] if name == "kimi_linear" else [(9, False), (12, True), (6, False), (20, True)]
+    for i, mode in enumerate(modes):  # two agreeing rows and a random one of other lengths
+        prompts = [agreeing[8 + i], random[8 + i], agreeing[11 + i]]
+        cases += [(prompts, n, mode, with_eos) for n, with_eos in batch_3]
+    if name == "kimi_linear":
+        cases.append(([agreeing[14], random[14], agreeing[15]], 2, "schedule", False))
+    return cases
+
+
+@pytest.mark.parametrize("name", TARGET_NAMES)
+def test_greedy_equals_plain_generate(name):
+    """115 prompts over the three targets: every truncation mode, max_new_tokens around the block size (1, 2,
+    6-9) and 50, EOS inside a block, batch 1 and left-padded batch 3 rows that accept different counts."""
+    target, draft = TARGETS[name](), fitted_draft(name)
+    committed = row_rounds = 0
+    for prompts, max_new_tokens, truncation, with_eos in _greedy_cases(name):
+        input_ids, attention_mask = left_pad(prompts)
+        kwargs = dict(attention_mask=attention_mask, max_new_tokens=max_new_tokens, do_sample=False)
+        if with_eos:  # a token the first row generates mid-block becomes EOS: that row stops there
+            plain = target.generate(input_ids, **kwargs, eos_token_id=None)
+            kwargs["eos_token_id"] = int(plain[0, input_ids.shape[1] + 4])
+        expected = target.generate(input_ids, **kwargs)
+        actual = target.generate(input_ids, assistant_model=draft, truncation=truncation, **TRUNCATIONS[truncation],
+                                 **kwargs)
+        assert torch.equal(actual, expected), (name, truncation, max_new_tokens, with_eos)
+        committed += draft.last_stats.committed_tokens
+        row_rounds += draft.last_stats.row_rounds
+    assert committed / row_rounds > 1.1  # the fitted draft agrees partially: tau > 1
+
+
+def test_partially_agreeing_draft_has_rejections_and_tau_above_one():
+    target, draft = TARGETS["qwen3"](), fitted_draft("qwen3")
+    input_ids, attention_mask = left_pad(agreeing_prompts("qwen3", 4, seed=3))
+    dspark_generate(target, draft, input_ids, attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    stats = draft.last_stats
+    assert stats.tau > 1.5
+    assert 0 < stats.position_accepted[0] < stats.position_tried[0]  # some first drafts accepted, some rejected
+    assert stats.generated_tokens == 4 * 30
+
+
+def test_stateful_rollback_is_exact_and_needed():
+    """kimi_linear: with the recurrent state restored (replay, or the rerun oracle) the output equals plain greedy;
+    with `crop` alone (rollback="none", the control) it diverges."""
+    target, draft = TARGETS["kimi_linear"](), fitted_draft("kimi_linear")
+    input_ids = agreeing_prompts("kimi_linear", 1, seed=4)[0][None]
+    expected = target.generate(input_ids, max_new_tokens=16, do_sample=False)
+    for rollback in ("replay", "rerun"):
+        actual = dspark_generate(target, draft, input_ids, max_new_tokens=16, do_sample=False, rollback=rollback)
+        assert draft.last_stats.rollback == rollback
+        assert torch.equal(actual, expected), rollback
+        assert draft.last_stats.position_accepted[0] < draft.last_stats.position_tried[0]  # rejections happened
+    control = dspark_generate(target, draft, input_ids, max_new_tokens=16, do_sample=False, rollback="none")
+    assert not torch.equal(control, expected)
+
+
+def test_replay_restores_the_same_state_as_rerun_and_reslicing_equals_crop():
+    """After a 6-token verify forward in which rows commit 2 and 5 tokens, replay leaves the recurrent state
+    that re-running the committed tokens gives; with equal commits, per-row conv reslicing equals `crop`."""
+    target = TARGETS["kimi_linear"]()
+    input_ids, attention_mask = left_pad(random_prompts(2, 5, 9, seed=5))
+    verify_ids = torch.randint(4, 512, (2, 6))
+
+    def committed_cache(rollback, num_committed):
+        cache = TargetCache(target, rollback)
+        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        cache.forward(input_ids, positions, num_logits=1, slot_valid=attention_mask)
+        cache.start_recording()
+        verify_positions = attention_mask.sum(-1, keepdim=True) + torch.arange(6)
+        cache.forward(verify_ids, verify_positions, num_logits=6, verify=True)
+        if num_committed is not None:
+            cache.commit(num_committed)
+        return cache
+
+    replayed = committed_cache("replay", torch.tensor([2, 5]))
+    for row, count in enumerate((2, 5)):
+        rerun = committed_cache("rerun", torch.tensor([count, count]))
+        for layer_replayed, layer_rerun in zip(replayed.linear_layers, rerun.linear_layers):
+            torch.testing.assert_close(layer_replayed.recurrent_states[0][row], layer_rerun.recurrent_states[0][row],
+                                       atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(layer_replayed.conv_states[0][row], layer_rerun.conv_states[0][row])
+    assert replayed.slot_mask[:, -5:].tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 1, 1]]  # row 0's shortfall: holes
+
+    resliced = committed_cache("none", torch.tensor([3, 3]))
+    cropped = committed_cache("none", None)  # crop the recorded windows as stock assisted generation does
+    for layer in cropped.linear_layers:
+        layer.crop(-3)
+    for a, b in zip(resliced.linear_layers, cropped.linear_layers):
+        assert torch.equal(a.conv_states[0], b.conv_states[0])
+
+
+# ------------------------------------------------------------------------------------------------- sampling
+SAMPLING_VOCAB, NUM_SAMPLES, TV_TOLERANCE = 16, 3000, 0.06
+
+
+def _exact_marginals(target, prompt, warpers, num_tokens):
+    """Exact marginal distributions [num_tokens, V] of the first generated tokens under the processed target."""
+    vocab = SAMPLING_VOCAB
+    prefixes, weights, marginals = prompt[None], torch.ones(1), []
+    for _ in range(num_tokens):
+        logits = target(prefixes).logits[:, -1].float()
+        for warper in warpers:
+            logits = warper(prefixes, logits)
+        probs = torch.softmax(logits, dim=-1) * weights[:, None]  # [N, V] joint with each prefix
+        marginals.append(probs.sum(0))
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(len(prefixes))[:, None]], 1)
+        weights = probs.flatten()
+    return torch.stack(marginals)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [dict(temperature=1.0), dict(temperature=0.7, top_k=5), dict(temperature=1.3, top_p=0.8)],
+    ids=["plain", "top_k", "top_p"],
+)
+def test_sampling_matches_the_target_distribution(settings):
+    """3000 rows of one prompt, 3 new tokens (tokens 2-3 come from speculative verification): the empirical
+    marginal of each token is within total-variation distance 0.06 of the exact processed target distribution
+    (the sampling noise alone is about 0.03 here; fixed seed)."""
+    target = qwen3_target(vocab_size=SAMPLING_VOCAB, initializer_range=0.1)
+    torch.manual_seed(0)
+    draft = DSparkDraftModel(draft_config([1, 3], 4, SAMPLING_VOCAB, initializer_range=0.1)).eval()
+    prompt = torch.tensor([5, 9, 12, 7])
+    torch.manual_seed(1)
+    sequences = dspark_generate(target, draft, prompt.expand(NUM_SAMPLES, -1), max_new_tokens=3, do_sample=True,
+                                eos_token_id=None, **settings)  # no EOS: no row stops early
+    stats = draft.last_stats
+    assert 0 < stats.position_accepted[0] < stats.position_tried[0]  # both speculative branches are exercised
+
+    warpers = [TemperatureLogitsWarper(settings["temperature"])]
+    warpers += [TopKLogitsWarper(settings["top_k"])] if "top_k" in settings else []
+    warpers += [TopPLogitsWarper(settings["top_p"])] if "top_p" in settings else []
+    with torch.no_grad():
+        exact = _exact_marginals(target, prompt, warpers, num_tokens=3)
+    for position in range(3):
+        empirical = torch.bincount(sequences[:, 4 + position], minlength=SAMPLING_VOCAB).float() / NUM_SAMPLES
+        distance = 0.5 * (empirical - exact[position]).abs().sum()
+        assert distance < TV_TOLERANCE, (position, float(distance))
+    # The test has power: without top-k / top-p some marginal moves by more than twice the tolerance.
+    if len(warpers) > 1:
+        with torch.no_grad():
+            unprocessed = _exact_marginals(target, prompt, warpers[:1], num_tokens=3)
+        assert float(0.5 * (unprocessed - exact).abs().sum(-1).max()) > 2 * TV_TOLERANCE

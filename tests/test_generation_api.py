@@ -1,0 +1,273 @@
+"""The user-facing surface of DSpark generation: the `generate` route, the explicit function, errors, streamers,
+stopping criteria, the SPS profiler and accelerate offloading."""
+
+import inspect
+import sys
+
+import pytest
+import torch
+from tiny_models import (
+    EOS,
+    TARGETS,
+    VOCAB_SIZE,
+    agreeing_prompts,
+    draft_config,
+    fitted_draft,
+    left_pad,
+    qwen3_target,
+    random_draft,
+    random_prompts,
+)
+from transformers import (
+    AutoModel,
+    GenerationMixin,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.streamers import BaseStreamer
+
+from dspark import generation_utils
+from dspark.generation_utils import SpsCurve, dspark_generate, install_generate_route, load_sps_curve
+from dspark.modeling_dspark import DSparkDraftModel
+
+
+def _prompt(seed: int = 0) -> torch.Tensor:
+    return agreeing_prompts("qwen3", 1, seed=seed)[0][None]
+
+
+# ------------------------------------------------------------------------------------------------ routing
+def test_generation_without_a_dspark_assistant_runs_the_original_generate_unchanged():
+    target = qwen3_target()
+    routed = GenerationMixin.generate
+    original = routed.__wrapped__
+    input_ids = _prompt()
+    expected = original(target, input_ids, max_new_tokens=12, do_sample=False)
+
+    executed = set()
+    sys.setprofile(lambda frame, event, arg: executed.add(frame.f_code) if event == "call" else None)
+    try:
+        actual = target.generate(input_ids, max_new_tokens=12, do_sample=False)
+    finally:
+        sys.setprofile(None)
+    assert torch.equal(actual, expected)
+    assert inspect.unwrap(original).__code__ in executed  # the original function object ran
+    assert dspark_generate.__wrapped__.__code__ not in executed
+
+
+def test_route_is_installed_once():
+    routed = GenerationMixin.generate
+    install_generate_route()
+    install_generate_route()
+    assert GenerationMixin.generate is routed
+    assert not getattr(routed.__wrapped__, "_dspark_route", False)
+
+
+def test_stock_assisted_generation_with_a_small_autoregressive_assistant_is_untouched():
+    target = qwen3_target()
+    torch.manual_seed(0)
+    config = {**target.config.to_dict(), "num_hidden_layers": 2, "layer_types": None}
+    assistant = Qwen3ForCausalLM(Qwen3Config(**config)).eval()
+    input_ids = _prompt()
+    expected = target.generate(input_ids, max_new_tokens=10, do_sample=False)
+    assert torch.equal(target.generate(input_ids, assistant_model=assistant, max_new_tokens=10, do_sample=False), expected)
+
+
+def test_user_call_with_a_draft_loaded_as_remote_code(tmp_path):
+    """`AutoModel.from_pretrained(dir, trust_remote_code=True)` builds a second copy of the classes (a different
+    module); `target.generate(input_ids, assistant_model=draft)` still runs DSpark, with no other step."""
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    draft.save_pretrained(tmp_path)
+    remote_draft = AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    assert type(remote_draft).__module__ != DSparkDraftModel.__module__
+    input_ids = _prompt()
+    expected = target.generate(input_ids, max_new_tokens=20, do_sample=False)
+    actual = target.generate(input_ids, assistant_model=remote_draft, max_new_tokens=20, do_sample=False)
+    assert torch.equal(actual, expected)
+    assert remote_draft.last_stats.tau > 1
+
+
+def test_stateful_target_works_through_the_user_call():
+    """Stock transformers refuses assisted generation for kimi_linear; through the route it works and is exact."""
+    target, draft = TARGETS["kimi_linear"](), fitted_draft("kimi_linear")
+    input_ids = agreeing_prompts("kimi_linear", 1, seed=7)[0][None]
+    expected = target.generate(input_ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(target.generate(input_ids, assistant_model=draft, max_new_tokens=8, do_sample=False), expected)
+    assert draft.last_stats.rollback == "replay"
+
+
+# ------------------------------------------------------------------------------------- explicit function
+def test_explicit_function_returns_generate_output_scores_and_statistics():
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    input_ids = _prompt(1)
+    kwargs = dict(max_new_tokens=15, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  output_logits=True, repetition_penalty=1.3)
+    expected = target.generate(input_ids, **kwargs)
+    actual = dspark_generate(target, draft, input_ids, **kwargs)
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert len(actual.scores) == len(expected.scores) == len(actual.logits) == 15
+    for ours, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    stats = draft.last_stats
+    assert stats.generated_tokens == 15 and stats.committed_tokens == 14  # the prefill made the first token
+    assert stats.rounds == len(stats.verify_lengths) and stats.tau > 1
+    assert stats.time_total >= stats.time_draft + stats.time_verify + stats.time_rollback
+    assert len(stats.conditional_acceptance) == draft.config.block_size
+
+
+# -------------------------------------------------------------------------------------------------- errors
+def _draft_with(**overrides) -> DSparkDraftModel:
+    config = draft_config([1, 3], 4, **overrides)
+    return DSparkDraftModel(config).eval()
+
+
+@pytest.mark.parametrize(
+    "make_draft, kwargs, message",
+    [
+        (lambda: _draft_with(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), {}, "hidden_size 32"),
+        (lambda: _draft_with(vocab_size=600), {}, "vocab_size is 600"),
+        (lambda: DSparkDraftModel(draft_config([1, 5], 8)), {}, "only 4 layers"),
+        (lambda: random_draft("qwen3"), {"num_beams": 2}, "beam search"),
+        (lambda: random_draft("qwen3"), {"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
+        (lambda: random_draft("qwen3"), {"truncation": "sometimes"}, "unknown truncation"),
+        (lambda: _draft_with(enable_confidence_head=False, confidence_head_with_markov=False),
+         {"truncation": "threshold"}, "confidence head"),
+        (lambda: random_draft("qwen3"), {"output_hidden_states": True}, "output_hidden_states"),
+        (lambda: random_draft("qwen3"), {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7,
+                                         "streamer": BaseStreamer()}, "streamers take one sequence"),
+    ],
+    ids=["hidden", "vocab", "layers", "beams", "return_sequences", "truncation", "no_confidence_head",
+         "hidden_states", "streamer_batch"],
+)
+def test_clear_errors_before_any_target_forward(make_draft, kwargs, message):
+    target, draft = qwen3_target(), make_draft()
+    forwards = []
+    handle = target.register_forward_hook(lambda *args: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=message):
+            target.generate(kwargs.pop("input_ids", _prompt()), assistant_model=draft, max_new_tokens=4, **kwargs)
+    finally:
+        handle.remove()
+    assert not forwards
+
+
+def test_warnings_for_float16_targets_and_prompts_longer_than_the_trained_context():
+    target = qwen3_target()
+    with pytest.warns(UserWarning, match="float16"):
+        dspark_generate(Qwen3ForCausalLM(target.config).half().eval(), random_draft("qwen3"), _prompt(),
+                        max_new_tokens=1)
+    short_context_draft = _draft_with(trained_context_length=4)
+    with pytest.warns(UserWarning, match="trained context of 4"):
+        dspark_generate(target, short_context_draft, _prompt(), max_new_tokens=1)
+
+
+# -------------------------------------------------------------------------------- streaming and stopping
+class RecordingStreamer(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_every_token_once_in_order():
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    input_ids = _prompt(2)
+    streamer = RecordingStreamer()
+    sequences = target.generate(input_ids, assistant_model=draft, max_new_tokens=20, do_sample=False, streamer=streamer)
+    assert streamer.chunks[0] == input_ids[0].tolist()  # the prompt first, as `generate` does
+    assert sum(streamer.chunks[1:], []) == sequences[0, input_ids.shape[1]:].tolist()
+    assert streamer.ended and len(streamer.chunks) < 1 + 20  # several tokens per round
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    """One token per id: ids 4-29 are the letters a-z, every other id i is the string "<i>"; decoding
+    concatenates tokens (what StopStringCriteria needs to map tokens to text)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    letters = {chr(ord("a") + i): 4 + i for i in range(26)}
+    vocab = {**{f"<{i}>": i for i in range(VOCAB_SIZE) if i not in letters.values()}, **letters}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<0>", eos_token="<2>")
+
+
+class StopAfterTokens(StoppingCriteria):
+    """A custom criterion: stop a row once one of `tokens` occurs among its last 3 tokens."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = torch.tensor(tokens)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.isin(input_ids[:, -3:], self.tokens).any(-1)
+
+
+@pytest.mark.parametrize("eos_token_id", [EOS, None], ids=["eos_pads_finished_rows", "no_eos_rows_continue"])
+def test_stop_strings_and_custom_criteria_stop_where_plain_generate_stops(eos_token_id):
+    """Every row stops mid-block at a different step. With an EOS token, stopped rows are padded; without one,
+    `generate` keeps every row going until the last one stops: the same here."""
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    tokenizer = _tokenizer()
+    input_ids, attention_mask = left_pad(agreeing_prompts("qwen3", 2, seed=8) + random_prompts(1, 3, 5, seed=8))
+    common = dict(attention_mask=attention_mask, max_new_tokens=24, do_sample=False, eos_token_id=eos_token_id)
+    plain = target.generate(input_ids, **common)
+    start = input_ids.shape[1]
+    stop_tokens = [int(plain[row, start + 3 + 4 * row]) for row in range(3)]
+    stop_strings = tokenizer.convert_ids_to_tokens(stop_tokens)
+    for extra in ({"stop_strings": stop_strings, "tokenizer": tokenizer},
+                  {"stopping_criteria": StoppingCriteriaList([StopAfterTokens(stop_tokens)])}):
+        expected = target.generate(input_ids, **common, **extra)
+        actual = target.generate(input_ids, assistant_model=draft, **common, **extra)
+        assert torch.equal(actual, expected)
+        assert expected.shape[1] < plain.shape[1]
+
+
+# ---------------------------------------------------------------------------------------- SPS profiler
+def test_sps_profiler_writes_a_curve_that_schedule_then_reuses(tmp_path):
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    path = tmp_path / "sps.json"
+    curve = load_sps_curve(target, batch_size=1, max_tokens_per_row=8, path=path)
+    assert sorted(curve.points) == list(range(1, 9)) and all(sps > 0 for sps in curve.points.values())
+    assert SpsCurve.load(path).points == curve.points
+    written = path.stat().st_mtime_ns
+    input_ids = _prompt(3)
+    expected = target.generate(input_ids, max_new_tokens=10, do_sample=False)
+    actual = target.generate(input_ids, assistant_model=draft, max_new_tokens=10, do_sample=False,
+                             truncation="schedule", sps_curve=path)
+    assert torch.equal(actual, expected)
+    assert path.stat().st_mtime_ns == written  # profiled once, then read from the cache
+
+
+def test_schedule_stops_at_the_first_throughput_drop():
+    confidences = torch.tensor([[0.9, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9]])
+    flat = SpsCurve({1: 100.0, 8: 100.0})  # verifying is free: take every draft
+    steep = SpsCurve({1: 100.0, 8: 30.0})  # each extra token costs 10%: stop once survival falls
+    max_drafts = torch.tensor([7])
+    assert generation_utils.choose_num_drafts(confidences, max_drafts, "schedule", sps=flat).tolist() == [7]
+    assert generation_utils.choose_num_drafts(confidences, max_drafts, "schedule", sps=steep).tolist() == [2]
+    assert generation_utils.choose_num_drafts(confidences, max_drafts, "threshold", 0.5).tolist() == [2]
+    assert generation_utils.choose_num_drafts(confidences, torch.tensor([1]), "full").tolist() == [1]
+
+
+# ------------------------------------------------------------------------------------------ accelerate
+def test_target_dispatched_with_offloaded_embedding_and_lm_head(tmp_path):
+    """A target whose embedding, LM head and one layer live on disk (accelerate offload: their weights are on the
+    meta device between calls) generates the same tokens as the in-memory target."""
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    target.save_pretrained(tmp_path / "target")
+    device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "model.layers.1": "disk",
+                  "model.layers.2": "cpu", "model.layers.3": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "disk"}
+    offloaded = Qwen3ForCausalLM.from_pretrained(tmp_path / "target", device_map=device_map,
+                                                 offload_folder=tmp_path / "offload", dtype=torch.float32).eval()
+    assert offloaded.get_output_embeddings().weight.device.type == "meta"
+    input_ids = _prompt(4)
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False)
+    actual = offloaded.generate(input_ids, assistant_model=draft, max_new_tokens=12, do_sample=False)
+    assert torch.equal(actual, expected)
