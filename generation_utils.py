@@ -565,7 +565,7 @@ def dspark_generate(
             "keep the full speed-up.",
             stacklevel=2,
         )
-    if truncation == "schedule" and not isinstance(sps_curve, SpsCurve):
+    if truncation == "schedule" and not callable(sps_curve):  # a path or None; curves may come from another module copy
         sps_curve = load_sps_curve(target, setup.input_ids.shape[0], draft.config.block_size + 1, sps_curve)
 
     decoder = _DSparkDecoder(target, draft, setup, truncation, confidence_threshold, sps_curve, rollback, streamer)

@@ -87,6 +87,13 @@ def test_user_call_with_a_draft_loaded_as_remote_code(tmp_path):
     actual = target.generate(input_ids, assistant_model=remote_draft, max_new_tokens=20, do_sample=False)
     assert torch.equal(actual, expected)
     assert remote_draft.last_stats.tau > 1
+    # The remote copy's own loop accepts objects made by this copy (an SPS curve) too.
+    remote_generation_utils = sys.modules[type(remote_draft).__module__.rsplit(".", 1)[0] + ".generation_utils"]
+    scheduled = remote_generation_utils.dspark_generate(
+        target, remote_draft, input_ids, max_new_tokens=20, do_sample=False,
+        truncation="schedule", sps_curve=SpsCurve({1: 100.0, 8: 100.0}),
+    )
+    assert torch.equal(scheduled, expected)
 
 
 def test_stateful_target_works_through_the_user_call():

@@ -1,7 +1,6 @@
 """DSparkDraftModel: loading, attention semantics, context caching, Markov chain, confidence and the loss."""
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -10,13 +9,13 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import AutoModel
 
-import tools
+import tools  # noqa: F401  (registers the repository as the package `dspark`)
 from dspark.configuration_dspark import DSparkConfig
 from dspark.kernels import gumbel_noise
 from dspark.modeling_dspark import DSparkDraftModel
 from test_config import tiny_kwargs
+from tools.common import save_hub_layout
 
-REMOTE_CODE_FILES = ["configuration_dspark.py", "modeling_dspark.py", "generation_utils.py", "kernels.py"]
 VOCAB, HIDDEN, FEATURES = 64, 32, 64  # FEATURES = 2 target layers x HIDDEN
 
 
@@ -47,12 +46,6 @@ def run_block(model, features, anchor_ids, anchor_positions, embed):
 
 
 # ---------------------------------------------------------------- loading
-
-
-def save_hub_layout(model, directory):
-    model.save_pretrained(directory)
-    for name in REMOTE_CODE_FILES:
-        shutil.copy(tools.REPO_ROOT / name, directory / name)
 
 
 def test_remote_code_round_trip_gives_identical_outputs(draft, target_modules, tmp_path):
