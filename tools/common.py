@@ -85,11 +85,6 @@ def load_dspark_draft(path: str, device: torch.device) -> DSparkDraftModel:
     return DSparkDraftModel.from_pretrained(path, dtype=torch.float32).to(device).eval()
 
 
-def num_decoder_layers(target: nn.Module) -> int:
-    config = target.config.get_text_config()
-    return config.num_hidden_layers
-
-
 def save_hub_layout(draft: DSparkDraftModel, out_dir: str | Path) -> None:
     """config.json + model.safetensors, plus the remote-code files that AutoModel(trust_remote_code) imports."""
     out_dir = Path(out_dir)

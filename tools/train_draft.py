@@ -52,11 +52,11 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 import tools  # noqa: E402,F401
 from dspark.configuration_dspark import DSparkConfig  # noqa: E402
-from dspark.generation_utils import TargetFeatureCapture
+from dspark.generation_utils import TargetFeatureCapture, decoder_layers
 from dspark.modeling_dspark import CE_WEIGHT, L1_WEIGHT, DSparkDraftModel
 from tools import chat_format
 from tools.common import (
-    DTYPES, RoundRecords, add_model_arguments, apply_threads, load_target, num_decoder_layers, read_jsonl,
+    DTYPES, RoundRecords, add_model_arguments, apply_threads, load_target, read_jsonl,
     resolve_device, save_hub_layout, teacher_forced_rounds, write_json,
 )
 
@@ -76,18 +76,12 @@ def default_target_layer_ids(num_layers: int, num_features: int) -> list[int]:
     return [round(1 + i * step) for i in range(num_features)]
 
 
-def build_draft(args, target, tokenizer) -> DSparkDraftModel:
-    """A fresh DSpark / DFlash draft sized from the CLI, with hidden size and vocabulary from the target."""
+def backbone_geometry(args, target, tokenizer) -> dict:
+    """Config arguments shared by every draft kind: width and vocabulary from the target, the rest from the CLI."""
     text_config = target.config.get_text_config()
     hidden = text_config.hidden_size
-    num_layers = num_decoder_layers(target)
-    layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers, args.num_target_features)
     heads = args.num_heads or max(1, hidden // 64)
-    mask_token_id = tokenizer.convert_tokens_to_ids(args.mask_token)
-    if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
-        raise SystemExit(f"the tokenizer has no {args.mask_token!r} token; pass --mask-token")
-    dspark = args.kind == "dspark"
-    config = DSparkConfig(
+    return dict(
         vocab_size=text_config.vocab_size,
         hidden_size=hidden,
         intermediate_size=args.intermediate_size or 2 * hidden,
@@ -96,7 +90,23 @@ def build_draft(args, target, tokenizer) -> DSparkDraftModel:
         num_key_value_heads=args.num_kv_heads or max(1, heads // 4),
         head_dim=args.head_dim or hidden // heads,
         rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-        max_position_embeddings=getattr(text_config, "max_position_embeddings", 131072),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def build_draft(args, target, tokenizer) -> DSparkDraftModel:
+    """A fresh DSpark / DFlash draft sized from the CLI, with hidden size and vocabulary from the target."""
+    num_layers = len(decoder_layers(target))
+    layer_ids = args.target_layer_ids or default_target_layer_ids(num_layers, args.num_target_features)
+    mask_token_id = tokenizer.convert_tokens_to_ids(args.mask_token)
+    if mask_token_id is None or mask_token_id == tokenizer.unk_token_id:
+        raise SystemExit(f"the tokenizer has no {args.mask_token!r} token; pass --mask-token")
+    dspark = args.kind == "dspark"
+    config = DSparkConfig(
+        **backbone_geometry(args, target, tokenizer),
+        max_position_embeddings=getattr(target.config.get_text_config(), "max_position_embeddings", 131072),
         trained_context_length=args.max_length,
         block_size=args.block_size,
         target_layer_ids=layer_ids,
@@ -105,9 +115,6 @@ def build_draft(args, target, tokenizer) -> DSparkDraftModel:
         markov_rank=args.markov_rank if dspark else 0,
         enable_confidence_head=dspark,
         confidence_head_with_markov=dspark and args.markov_rank > 0,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     return DSparkDraftModel(config)
 
@@ -116,23 +123,10 @@ def build_assistant(args, target, tokenizer):
     """A small Qwen3 causal LM with the target's vocabulary and a frozen copy of its embedding and LM head."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    text_config = target.config.get_text_config()
-    hidden = text_config.hidden_size
-    heads = args.num_heads or max(1, hidden // 64)
     config = Qwen3Config(
-        vocab_size=text_config.vocab_size,
-        hidden_size=hidden,
-        intermediate_size=args.intermediate_size or 2 * hidden,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=args.num_kv_heads or max(1, heads // 4),
-        head_dim=args.head_dim or hidden // heads,
-        rms_norm_eps=getattr(text_config, "rms_norm_eps", 1e-6),
-        max_position_embeddings=getattr(text_config, "max_position_embeddings", 32768),
+        **backbone_geometry(args, target, tokenizer),
+        max_position_embeddings=getattr(target.config.get_text_config(), "max_position_embeddings", 32768),
         tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
     assistant = Qwen3ForCausalLM(config)
     with torch.no_grad():
