@@ -290,6 +290,9 @@ class TargetCache:
       of the verify tokens (by intercepting the model's chunked delta-rule kernel, see `DELTA_RULE_KERNELS`),
       then recompute the state over each row's committed tokens with the model's own token-by-token
       recurrence. Tokens past a row's commit get g = 0 and beta = 0, an exact identity step. No weight reads.
+      The verify itself also runs through that recurrence rather than the chunked kernel: a verify window
+      is a few tokens, the chunked kernel pads it to a whole chunk (64; transformers' PyTorch fallback then
+      loops over all 64 rows), and the recurrence is what the target decodes single tokens with.
     - "rerun": snapshot the linear-attention states before the verify, restore them after it and re-run
       the committed tokens through the target (one extra forward; the reference oracle). All rows commit the
       batch minimum of accepted drafts, which keeps the cache rectangular and stays lossless.
@@ -372,13 +375,15 @@ class TargetCache:
 
     @contextmanager
     def _recording_delta_rule(self, calls: list[_DeltaRuleCall]):
-        module, chunk_name, _ = self.kernels
-        chunk = getattr(module, chunk_name)
+        module, chunk_name, recurrent_name = self.kernels
+        chunk, recurrent = getattr(module, chunk_name), getattr(module, recurrent_name)
 
         def recording_chunk(query, key, value, g, beta, *args, initial_state=None, **kwargs):
-            if initial_state is not None:
-                calls.append(_DeltaRuleCall(initial_state, initial_state.clone(), (query, key, value, g, beta), kwargs))
-            return chunk(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+            if initial_state is None:  # not a continuation: nothing to roll back
+                return chunk(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+            kwargs = _recurrent_kwargs(kwargs)
+            calls.append(_DeltaRuleCall(initial_state, initial_state.clone(), (query, key, value, g, beta), kwargs))
+            return recurrent(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
 
         setattr(module, chunk_name, recording_chunk)
         try:
@@ -425,10 +430,8 @@ class TargetCache:
             committed = (tokens[None, :] < num_committed.to(device)[:, None]).float()  # [B, T]
             g = g * committed.view(*committed.shape, *[1] * (g.dim() - 2))  # identity step past the commit
             beta = beta * committed.view(*committed.shape, *[1] * (beta.dim() - 2))
-            kwargs = {k: v for k, v in calls[0].kwargs.items() if k not in ("output_final_state", "chunk_size", "cu_seqlens")}
             initial_state = torch.cat([c.initial_state for c in calls], dim=1)
-            _, state = recurrent(query, key, value, g=g, beta=beta, initial_state=initial_state,
-                                 output_final_state=True, **kwargs)
+            _, state = recurrent(query, key, value, g=g, beta=beta, initial_state=initial_state, **calls[0].kwargs)
             for call, layer_state in zip(calls, state.split([c.state.shape[1] for c in calls], dim=1)):
                 call.state.copy_(layer_state)
 
@@ -450,6 +453,13 @@ class TargetCache:
         """Keep only `rows` of the batch (finished rows leave)."""
         self.cache.reorder_cache(rows)
         self.slot_mask = self.slot_mask[rows.to(self.slot_mask.device)]
+
+
+def _recurrent_kwargs(chunk_kwargs: dict) -> dict:
+    """The keyword arguments of a chunked delta-rule call, for the token-by-token recurrence of the same
+    step (which has no chunking or variable-length packing, and must return the final state)."""
+    kwargs = {k: v for k, v in chunk_kwargs.items() if k not in ("chunk_size", "cu_seqlens")}
+    return {**kwargs, "output_final_state": True}
 
 
 def _reslice_conv_windows(layer: LinearAttentionCacheLayerMixin, dropped: torch.Tensor) -> None:

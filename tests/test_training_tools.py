@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModel, AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
 from dspark.configuration_dspark import DSparkConfig
@@ -68,6 +68,22 @@ def test_regenerated_data_is_the_targets_greedy_answer(workspace):
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)[0].tolist()
     assert record["input_ids"] == expected[: len(record["input_ids"])]
     assert len(records) == 8 and json.loads((workspace / "regen.meta.json").read_text())["complete"]
+
+
+def test_skip_prompts_continues_the_data_set_where_it_stopped(workspace):
+    tokenizer = AutoTokenizer.from_pretrained(workspace / "target")
+    corpus = str(workspace / "corpus.jsonl")
+    everything = regenerate_data.corpus_prompts(corpus, tokenizer, max_prompts=8, max_prompt_tokens=1024)
+    first = regenerate_data.corpus_prompts(corpus, tokenizer, max_prompts=3, max_prompt_tokens=1024)
+    rest = regenerate_data.corpus_prompts(corpus, tokenizer, max_prompts=8, max_prompt_tokens=1024, skip=3)
+    assert [p["source"] for p in first + rest] == [p["source"] for p in everything] == [str(i) for i in range(8)]
+
+
+def test_training_data_may_span_several_files(workspace):
+    regen = str(workspace / "regen.jsonl")
+    one = train_draft.SequenceData([regen], max_length=64, batch_size=4, pad_id=0, seed=0)
+    two = train_draft.SequenceData([regen, regen], max_length=64, batch_size=4, pad_id=0, seed=0)
+    assert two.records == one.records * 2 and two.per_epoch == 2 * one.per_epoch
 
 
 def test_training_decreases_the_loss_and_saves_the_hub_layout(workspace):
@@ -150,7 +166,13 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
     draft_dir = workspace / "dspark" / "final"
     report = calibrate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--data",
                              str(workspace / "regen.jsonl"), "--limit", "2", "--out", str(workspace / "calibration")])
-    assert report["ece_after"]["pooled"] <= report["ece_before"]["pooled"] + 1e-9
+    assert report["in_sample"] and report["ece_after"]["pooled"] <= report["ece_before"]["pooled"] + 1e-9
+    held_out = calibrate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--data",
+                               str(workspace / "regen.jsonl"), "--limit", "2", "--eval-data",
+                               str(workspace / "regen.jsonl"), "--eval-limit", "3", "--dry-run",
+                               "--out", str(workspace / "calibration_held_out")])
+    assert not held_out["in_sample"] and held_out["eval_rounds"] > held_out["rounds"]
+    assert held_out["temperatures"] == report["temperatures"]
     assert json.loads((draft_dir / "config.json").read_text())["confidence_temperatures"] == \
         [round(t, 6) for t in report["temperatures"]]
 

@@ -8,12 +8,15 @@
 2. Fit: one temperature per position, left to right. Position k takes the temperature of a grid of 41
    log-spaced values in [0.1, 10] that minimises the expected calibration error of the survival
    a_k = prod_{j<=k} sigmoid(raw_j / T_j) (earlier T_j already fitted) against the prefix-accept mask.
-3. Write: the temperatures go into the draft's config.json `confidence_temperatures` (only that key is
-   changed); the report (ECE of the survival per position and pooled, before = all temperatures 1, and
-   after) is written as calibration.json and calibration.txt in --out.
+3. Report: the ECE of the survival per position and pooled, before (all temperatures 1) and after, on
+   the rounds of --eval-data: held-out prompts the fit did not see (without --eval-data, on the fitted
+   rounds themselves, which flatters "after"; the report says which).
+4. Write: the temperatures go into the draft's config.json `confidence_temperatures` (only that key is
+   changed); the report goes to calibration.json and calibration.txt in --out.
 
 Example:
-    python tools/calibrate.py --target embedded/target --draft embedded/dspark --data data/regen/heldout.jsonl
+    python tools/calibrate.py --target embedded/target --draft embedded/dspark \
+        --data data/regen/heldout_skip64.jsonl --eval-data data/regen/heldout.jsonl
 """
 
 from __future__ import annotations
@@ -77,22 +80,28 @@ def write_temperatures(draft_dir: str | Path, temperatures: list[float]) -> None
         raise RuntimeError(f"{path}: wrote {config['confidence_temperatures']} but read back {loaded}")
 
 
-def collect_rounds(target, draft, records: list[dict], max_length: int) -> RoundRecords:
+def collect_rounds(target, draft, paths: list[str], limit: int, max_length: int, desc: str) -> RoundRecords:
+    """Greedy rounds at every response token of the first `limit` sequences of the (greedy) files."""
+    for path in paths:
+        check_greedy(path)
+    records = [record for path in paths for record in read_jsonl(path)][:limit]
     rounds = [
         teacher_forced_rounds(target, draft, record["input_ids"][:max_length], record["prompt_len"])
-        for record in tqdm(records, desc="rounds", unit="prompt")
+        for record in tqdm(records, desc=desc, unit="prompt")
     ]
     return RoundRecords.concatenate(rounds)
 
 
-def check_greedy(data: str) -> None:
-    meta_path = Path(data).with_suffix(".meta.json")
+def check_greedy(path: str) -> None:
+    meta_path = Path(path).with_suffix(".meta.json")
     if meta_path.exists() and json.loads(meta_path.read_text())["settings"]["temperature"] != 0:
-        raise SystemExit(f"{data} holds sampled continuations; calibrate on greedy ones (--temperature 0)")
+        raise SystemExit(f"{path} holds sampled continuations; calibrate on greedy ones (--temperature 0)")
 
 
 def report_text(report: dict) -> str:
-    lines = [f"Sequential Temperature Scaling on {report['rounds']} rounds ({report['positions']} positions)",
+    where = "the fitted rounds (in-sample)" if report["in_sample"] else f"{report['eval_rounds']} other held-out rounds"
+    lines = [f"Sequential Temperature Scaling fitted on {report['rounds']} rounds ({report['positions']} positions); "
+             f"ECE on {where}",
              f"{'position':>8} {'T':>8} {'accept':>8} {'ECE before':>11} {'ECE after':>10}"]
     before, after = report["ece_before"], report["ece_after"]
     for k, t in enumerate(report["temperatures"]):
@@ -103,22 +112,26 @@ def report_text(report: dict) -> str:
 
 
 def calibrate(args) -> dict:
-    check_greedy(args.data)
     device = resolve_device(args.device)
     target, _ = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
     draft = load_dspark_draft(args.draft, device)
     if draft.confidence_head is None:
         raise SystemExit(f"{args.draft} has no confidence head (a DFlash draft): nothing to calibrate")
-    rounds = collect_rounds(target, draft, read_jsonl(args.data)[: args.limit], args.max_length)
+    rounds = collect_rounds(target, draft, args.data, args.limit, args.max_length, "fit rounds")
     temperatures = fit_sequential_temperatures(rounds, args.bins)
-    valid = rounds.valid.double()
+    eval_rounds = rounds
+    if args.eval_data:
+        eval_rounds = collect_rounds(target, draft, args.eval_data, args.eval_limit, args.max_length, "eval rounds")
+    valid = eval_rounds.valid.double()
     report = {
-        "draft": str(args.draft), "data": str(args.data), "rounds": rounds.accepted.shape[0],
-        "positions": int(rounds.valid.sum()), "bins": args.bins, "temperatures": temperatures,
-        "prefix_accept_rate": ((rounds.accepted.double() * valid).sum(0) / valid.sum(0).clamp(min=1)).tolist(),
-        "greedy_acceptance_length": rounds.acceptance_length(),
-        "ece_before": survival_ece(rounds, None, args.bins),
-        "ece_after": survival_ece(rounds, temperatures, args.bins),
+        "draft": str(args.draft), "data": args.data, "rounds": rounds.accepted.shape[0],
+        "positions": int(rounds.valid.sum()), "eval_data": args.eval_data or args.data,
+        "eval_rounds": eval_rounds.accepted.shape[0], "in_sample": not args.eval_data,
+        "bins": args.bins, "temperatures": temperatures,
+        "prefix_accept_rate": ((eval_rounds.accepted.double() * valid).sum(0) / valid.sum(0).clamp(min=1)).tolist(),
+        "greedy_acceptance_length": eval_rounds.acceptance_length(),
+        "ece_before": survival_ece(eval_rounds, None, args.bins),
+        "ece_after": survival_ece(eval_rounds, temperatures, args.bins),
         "written_to_config": not args.dry_run,
     }
     if not args.dry_run:
@@ -133,8 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)
     parser.add_argument("--draft", default="embedded/dspark", help="DSpark draft folder; its config.json is updated")
-    parser.add_argument("--data", default="data/regen/heldout.jsonl", help="held-out GREEDY regenerated data")
-    parser.add_argument("--limit", type=int, default=64, help="held-out sequences to use")
+    parser.add_argument("--data", nargs="+", default=["data/regen/heldout.jsonl"],
+                        help="held-out GREEDY regenerated data to fit the temperatures on, one or more files")
+    parser.add_argument("--limit", type=int, default=256, help="sequences of --data to fit on")
+    parser.add_argument("--eval-data", nargs="+", default=None,
+                        help="other held-out GREEDY data to report the ECE on (default: the fitted rounds)")
+    parser.add_argument("--eval-limit", type=int, default=256, help="sequences of --eval-data to use")
     parser.add_argument("--max-length", type=int, default=1024, help="tokens per sequence (longer ones are cut)")
     parser.add_argument("--bins", type=int, default=10, help="equal-width bins of the ECE")
     parser.add_argument("--out", default="results/calibration", help="report folder")

@@ -21,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -37,12 +38,12 @@ from tools.common import (
 )
 
 
-def corpus_prompts(corpus: str, tokenizer, max_prompts: int, max_prompt_tokens: int) -> list[dict]:
-    """The first `max_prompts` pair prompts of the corpus that fit `max_prompt_tokens`, tokenized."""
+def corpus_prompts(corpus: str, tokenizer, max_prompts: int, max_prompt_tokens: int, skip: int = 0) -> list[dict]:
+    """The first `max_prompts` pair prompts of the corpus that fit `max_prompt_tokens`, after the first
+    `skip` pair prompts, tokenized."""
     prompts = []
-    for record in read_jsonl(corpus):
-        if record.get("kind") != "pair":
-            continue
+    pairs = (record for record in read_jsonl(corpus) if record.get("kind") == "pair")
+    for record in itertools.islice(pairs, skip, None):
         ids = chat_prompt_ids(tokenizer, record["prompt"])
         if len(ids) <= max_prompt_tokens:
             prompts.append({"ids": ids, "source": record.get("source", "")})
@@ -76,7 +77,7 @@ def regenerate(args) -> dict:
     meta_path = out.with_suffix(".meta.json")
     settings = {
         "target": str(args.target), "corpus": str(args.corpus), "temperature": args.temperature,
-        "max_new_tokens": args.max_new_tokens, "max_prompts": args.max_prompts,
+        "max_new_tokens": args.max_new_tokens, "skip_prompts": args.skip_prompts, "max_prompts": args.max_prompts,
         "max_prompt_tokens": args.max_prompt_tokens, "batch_size": args.batch_size, "seed": args.seed,
     }
     done = 0
@@ -88,7 +89,7 @@ def regenerate(args) -> dict:
     elif out.exists():
         raise SystemExit(f"{out} exists without {meta_path}; remove it or pick another --out.")
 
-    prompts = corpus_prompts(args.corpus, tokenizer, args.max_prompts, args.max_prompt_tokens)
+    prompts = corpus_prompts(args.corpus, tokenizer, args.max_prompts, args.max_prompt_tokens, args.skip_prompts)
     # Similar lengths share a batch (little padding); the order is fixed, so a rerun resumes exactly.
     prompts.sort(key=lambda p: len(p["ids"]))
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
@@ -128,6 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--corpus", default="data/corpus/train.jsonl", help="corpus JSON lines (default: %(default)s)")
     parser.add_argument("--out", default="data/regen/train.jsonl", help="output JSON lines (default: %(default)s)")
     parser.add_argument("--max-prompts", type=int, default=4000)
+    parser.add_argument("--skip-prompts", type=int, default=0,
+                        help="start after this many corpus pair prompts (to extend a data set, or to shard it "
+                             "over processes)")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampled")

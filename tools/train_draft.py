@@ -145,10 +145,11 @@ class SequenceData:
     stream position is a pure function of the step: resuming needs no data state.
     """
 
-    def __init__(self, path: str, max_length: int, batch_size: int, pad_id: int, seed: int):
-        self.records = [r for r in read_jsonl(path) if len(r["input_ids"]) > r["prompt_len"] + 1]
+    def __init__(self, paths: list[str], max_length: int, batch_size: int, pad_id: int, seed: int):
+        records = [record for path in paths for record in read_jsonl(path)]
+        self.records = [r for r in records if len(r["input_ids"]) > r["prompt_len"] + 1]
         if not self.records:
-            raise SystemExit(f"{path} holds no sequence with a response")
+            raise SystemExit(f"{' '.join(paths)}: no sequence with a response")
         self.max_length, self.batch_size, self.pad_id, self.seed = max_length, batch_size, pad_id, seed
         self.per_epoch = math.ceil(len(self.records) / batch_size)
 
@@ -403,8 +404,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kind", choices=KINDS, default="dspark")
     add_model_arguments(parser)
     data = parser.add_argument_group("data")
-    data.add_argument("--data", default="data/regen/train.jsonl",
-                      help="regenerated training data (tools/regenerate_data.py)")
+    data.add_argument("--data", nargs="+", default=["data/regen/train.jsonl"],
+                      help="regenerated training data (tools/regenerate_data.py), one or more files")
     data.add_argument("--heldout", default=None,
                       help="regenerated GREEDY held-out data, evaluated every --eval-every steps")
     data.add_argument("--heldout-limit", type=int, default=32, help="held-out sequences per evaluation")
