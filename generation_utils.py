@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from transformers import DynamicCache, GenerationMixin
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
 
 from .kernels import verify_block
@@ -41,8 +41,11 @@ from .kernels import verify_block
 TRUNCATION_MODES = ("full", "threshold", "schedule")
 ROLLBACK_METHODS = ("auto", "replay", "rerun", "none")
 
+SPS_PROFILE_VERSION = 2  # what `profile_sps` times; a new value invalidates the curves cached by older code
+
 # Chunked delta-rule kernels whose inputs can be replayed with the matching token-by-token recurrence:
-# (module-level chunk function, recurrent function), looked up in the target's modeling module.
+# (module-level chunk function, recurrent function), looked up in the target's modeling module. A verify
+# forward runs the recurrence in place of the chunked kernel (see `TargetCache`).
 DELTA_RULE_KERNELS = (
     ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),  # kimi_linear (KDA)
 )
@@ -64,8 +67,8 @@ class TargetFeatureCapture:
     """Forward hooks that record the outputs of `layer_ids` (pre-norm residual stream) of a target.
 
     Used as a context manager around target forwards. `features()` returns the captured layers
-    concatenated in `layer_ids` order, [B, T, len(layer_ids) * H], on `device`. The hooks record only while
-    `enabled` is True, so extra target forwards (a stateful rollback, say) leave the capture untouched.
+    concatenated in `layer_ids` order, [B, T, len(layer_ids) * H], on `device`: those of the LAST forward, so
+    read them before another one (a "rerun" rollback, say) replaces them.
     Works for targets dispatched with accelerate (each layer's output lives on that layer's device).
     """
 
@@ -78,7 +81,6 @@ class TargetFeatureCapture:
             )
         self.layers = [layers[i] for i in layer_ids]
         self.device = device
-        self.enabled = True
         self._outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
         self._handles = []
 
@@ -94,8 +96,7 @@ class TargetFeatureCapture:
 
     def _hook(self, slot: int):
         def record(module, args, output):
-            if self.enabled:
-                self._outputs[slot] = output[0] if isinstance(output, tuple) else output
+            self._outputs[slot] = output[0] if isinstance(output, tuple) else output
 
         return record
 
@@ -187,11 +188,12 @@ def profile_sps(
     context_length: int = 64,
     repeats: int = 3,
 ) -> SpsCurve:
-    """Time target forwards of [batch_size, t] tokens (t = 1 .. max_tokens_per_row) after a context of
-    `context_length` tokens; returns the median steps/s per token count (batch_size * t)."""
+    """Time verify steps of [batch_size, t] tokens (t = 1 .. max_tokens_per_row) after a context of
+    `context_length` tokens, as the decoder runs them (the target forward and the default rollback of all
+    t tokens); returns the median steps/s per token count (batch_size * t)."""
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
     device = _input_device(target)
-    target_cache = TargetCache(target, rollback="none")  # timing only: recurrent states need no rollback
+    target_cache = TargetCache(target)
     context = torch.randint(vocab_size, (batch_size, context_length), device=device)
     target_cache.forward(context, torch.arange(context_length, device=device).expand(batch_size, -1), num_logits=1)
     target_cache.start_recording()
@@ -205,10 +207,10 @@ def profile_sps(
         for _ in range(repeats + 1):  # the first run warms up
             _synchronize(device)
             start = time.perf_counter()
-            target_cache.forward(input_ids, position_ids, num_logits=tokens)
+            target_cache.forward(input_ids, position_ids, num_logits=tokens, verify=True)
+            target_cache.commit(kept)
             _synchronize(device)
             seconds.append(time.perf_counter() - start)
-            target_cache.commit(kept)
         points[batch_size * tokens] = 1.0 / sorted(seconds[1:])[len(seconds[1:]) // 2]
     return SpsCurve(points)
 
@@ -218,7 +220,8 @@ def default_sps_path(target: nn.Module) -> Path:
     config = target.config.get_text_config(decoder=True)
     device = _input_device(target)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{torch.get_num_threads()}"
-    identity = json.dumps([type(target).__name__, config.to_json_string(), str(target.dtype), device_name])
+    identity = json.dumps([SPS_PROFILE_VERSION, type(target).__name__, config.to_json_string(), str(target.dtype),
+                           device_name])
     key = hashlib.sha1(identity.encode()).hexdigest()[:16]
     return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "sps" / f"{key}.json"
 
@@ -294,9 +297,14 @@ class TargetCache:
       is a few tokens, the chunked kernel pads it to a whole chunk (64; transformers' PyTorch fallback then
       loops over all 64 rows), and the recurrence is what the target decodes single tokens with.
     - "rerun": snapshot the linear-attention states before the verify, restore them after it and re-run
-      the committed tokens through the target (one extra forward; the reference oracle). All rows commit the
-      batch minimum of accepted drafts, which keeps the cache rectangular and stays lossless.
+      the committed tokens through the target (one extra forward, with the model's own kernels; the fallback
+      for recurrences this module does not know). All rows commit the batch minimum of accepted drafts,
+      which keeps the cache rectangular and stays lossless.
     - "none": leave the recurrent state as the verify left it (wrong after a rejection; a control only).
+
+    Sliding-window attention layers keep only their last window of slots, so holes would push real tokens
+    out: with such layers every row commits the batch minimum too. Cache layers that hold linear attention
+    and attention together (transformers' "hybrid" layer types) are refused.
     """
 
     def __init__(self, target: nn.Module, rollback: str = "auto"):
@@ -304,6 +312,13 @@ class TargetCache:
             raise ValueError(f"DSpark: unknown rollback {rollback!r}; choose one of {ROLLBACK_METHODS}.")
         self.target = target
         self.cache = DynamicCache(config=target.config.get_text_config(decoder=True))
+        hybrid = [type(layer).__name__ for layer in self.cache.layers
+                  if isinstance(layer, LinearAttentionCacheLayerMixin) and isinstance(layer, DynamicLayer)]
+        if hybrid:
+            raise ValueError(
+                f"DSpark: {type(target).__name__} keeps linear attention and attention K/V in one cache layer "
+                f"({sorted(set(hybrid))}), which DSpark cannot roll back. Decode it without an assistant."
+            )
         self.kernels = _delta_rule_kernels(target)
         if not self.linear_layers:
             rollback = "crop"
@@ -329,8 +344,8 @@ class TargetCache:
 
     @property
     def uniform_commit(self) -> bool:
-        """Whether every row must commit the same number of tokens per round."""
-        return self.rollback == "rerun"
+        """Whether every row must commit the same number of tokens per round (no holes in the cache)."""
+        return self.rollback == "rerun" or any(getattr(layer, "is_sliding", False) for layer in self.cache.layers)
 
     def forward(
         self,
@@ -370,22 +385,30 @@ class TargetCache:
             ]
             yield
         else:
-            with self._recording_delta_rule(self._verify["calls"]):
+            with self._verify_through_recurrence(self._verify["calls"]):
                 yield
+            if len(self._verify["calls"]) != len(self.linear_layers):
+                raise RuntimeError(
+                    f"DSpark: {len(self._verify['calls'])} of the target's {len(self.linear_layers)} linear-attention "
+                    f"layers called `{self.kernels[1]}` during the verify, so their state cannot be replayed (was the "
+                    "kernel replaced, or the model compiled?). Pass rollback='rerun'."
+                )
 
     @contextmanager
-    def _recording_delta_rule(self, calls: list[_DeltaRuleCall]):
+    def _verify_through_recurrence(self, calls: list[_DeltaRuleCall]):
+        """Within the block, the model's chunked delta-rule kernel runs the token-by-token recurrence instead,
+        and appends each call's pre-verify state and inputs to `calls`."""
         module, chunk_name, recurrent_name = self.kernels
         chunk, recurrent = getattr(module, chunk_name), getattr(module, recurrent_name)
 
-        def recording_chunk(query, key, value, g, beta, *args, initial_state=None, **kwargs):
+        def recurrence_recording_its_inputs(query, key, value, g, beta, *args, initial_state=None, **kwargs):
             if initial_state is None:  # not a continuation: nothing to roll back
                 return chunk(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
             kwargs = _recurrent_kwargs(kwargs)
             calls.append(_DeltaRuleCall(initial_state, initial_state.clone(), (query, key, value, g, beta), kwargs))
             return recurrent(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
 
-        setattr(module, chunk_name, recording_chunk)
+        setattr(module, chunk_name, recurrence_recording_its_inputs)
         try:
             yield
         finally:
@@ -552,7 +575,8 @@ def dspark_generate(
             "rerun" or "none" (a control that is not lossless), see `TargetCache`.
 
     Returns the sequences [B, P + new] (rows that finished early are padded with pad_token_id, as `generate`
-    does), or a `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True`. Statistics: `draft.last_stats`
+    does), or a `GenerateDecoderOnlyOutput` with `return_dict_in_generate=True` (its `past_key_values` is None:
+    the speculative cache cannot continue a generation). Statistics: `draft.last_stats`
     (`DSparkStats`).
     """
     start = time.perf_counter()
@@ -616,6 +640,11 @@ class _GenerationSetup:
 
         input_ids, _, _ = target._prepare_model_inputs(input_ids, generation_config.bos_token_id, {})
         batch_size, prompt_length = input_ids.shape
+        if prefix_allowed_tokens_fn is not None and batch_size > 1:
+            raise ValueError(
+                f"DSpark: prefix_allowed_tokens_fn with a batch of {batch_size} rows is not supported (finished rows "
+                "leave the batch, so its batch_id would point at other rows); decode the rows one at a time."
+            )
         target._prepare_special_tokens(generation_config, attention_mask is not None, input_ids.device, batch_size)
         if attention_mask is None:
             attention_mask = target._prepare_attention_mask_for_generation(input_ids, generation_config, {})
@@ -883,7 +912,7 @@ class _DSparkDecoder:
             sequences=sequences,
             scores=_steps(self.row_scores, length - self.prompt_length) if self.want_scores else None,
             logits=_steps(self.row_logits, length - self.prompt_length) if self.want_logits else None,
-            past_key_values=self.target_cache.cache,
+            past_key_values=None,  # rows leave the cache as they finish, and holes stay in it: not reusable
         )
 
 

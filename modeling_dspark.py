@@ -512,10 +512,12 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         random initialisation."""
         output_loading_info = kwargs.pop("output_loading_info", False)
         state_dict = kwargs.pop("state_dict", None)
-        if state_dict is None and pretrained_model_name_or_path is not None:
-            state_dict = _noncanonical_checkpoint(pretrained_model_name_or_path, kwargs)
+        checkpoint = pretrained_model_name_or_path
+        if state_dict is None and checkpoint is not None:
+            state_dict = _noncanonical_checkpoint(checkpoint, kwargs)
         if state_dict is not None:  # transformers takes either a path or a state dict
-            kwargs.setdefault("config", cls.config_class.from_pretrained(pretrained_model_name_or_path, **_hub_lookup(kwargs)))
+            if checkpoint is not None:
+                kwargs.setdefault("config", cls.config_class.from_pretrained(checkpoint, **_hub_lookup(kwargs)))
             pretrained_model_name_or_path, state_dict = None, cls.normalize_state_dict(state_dict)
         model, loading_info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, state_dict=state_dict, output_loading_info=True, **kwargs
@@ -523,9 +525,16 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         missing = sorted(loading_info["missing_keys"])
         if missing:
             raise ValueError(
-                f"DSpark: the checkpoint at {pretrained_model_name_or_path!r} lacks {len(missing)} tensor(s) of the "
-                f"draft, e.g. {missing[:6]}. Check that config.json belongs to these weights (num_hidden_layers, "
-                "markov_rank, enable_confidence_head) or convert the checkpoint with tools/convert_checkpoint.py."
+                f"DSpark: the checkpoint at {str(checkpoint)!r} lacks {len(missing)} tensor(s) of the draft, e.g. "
+                f"{missing[:6]}. Check that config.json belongs to these weights (num_hidden_layers, markov_rank, "
+                "enable_confidence_head) or convert the checkpoint with tools/convert_checkpoint.py."
+            )
+        unused_heads = sorted(k for k in loading_info["unexpected_keys"] if k.startswith(("markov_head.", "confidence_head.")))
+        if unused_heads:
+            raise ValueError(
+                f"DSpark: the checkpoint at {str(checkpoint)!r} has head tensors the config does not build, e.g. "
+                f"{unused_heads[:4]} (config: markov_rank={model.config.markov_rank}, enable_confidence_head="
+                f"{model.config.enable_confidence_head}). Fix config.json so the heads are not silently dropped."
             )
         return (model, loading_info) if output_loading_info else model
 

@@ -3,9 +3,13 @@
 Targets: tiny float32 Qwen3 (dense), DeepseekV3 (MLA) and kimi_linear (stateful hybrid), see tiny_models.py.
 """
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from tiny_models import (
+    EOS,
+    PAD,
     TARGET_NAMES,
     TARGETS,
     agreeing_prompts,
@@ -15,7 +19,7 @@ from tiny_models import (
     qwen3_target,
     random_prompts,
 )
-from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import Qwen3Config, Qwen3ForCausalLM, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dspark.generation_utils import SpsCurve, TargetCache, dspark_generate
 from dspark.modeling_dspark import DSparkDraftModel
@@ -122,6 +126,45 @@ def test_replay_restores_the_same_state_as_rerun_and_reslicing_equals_crop():
         layer.crop(-3)
     for a, b in zip(resliced.linear_layers, cropped.linear_layers):
         assert torch.equal(a.conv_states[0], b.conv_states[0])
+
+
+def test_replay_refuses_a_verify_that_bypassed_the_intercepted_kernel():
+    """If the model's linear-attention layers do not call the kernel TargetCache intercepts (a replaced or
+    compiled kernel), replay has nothing to replay from: an error, never a silently stale recurrent state."""
+    target = TARGETS["kimi_linear"]()
+    cache = TargetCache(target, "replay")
+    unused_module = SimpleNamespace(chunk=None, recurrent=None)  # what the model never calls
+    cache.kernels = (unused_module, "chunk", "recurrent")
+    cache.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], num_logits=1)
+    cache.start_recording()
+    with pytest.raises(RuntimeError, match=r"0 of the target's 6 linear-attention layers called `chunk`.*rerun"):
+        cache.forward(torch.tensor([[8, 9]]), torch.tensor([[3, 4]]), num_logits=2, verify=True)
+
+
+def sliding_window_target() -> Qwen3ForCausalLM:
+    """Qwen3 (the weights of `qwen3_target`) whose even layers attend to the last 16 tokens only."""
+    torch.manual_seed(0)
+    config = {**qwen3_target().config.to_dict(), "sliding_window": 16, "use_sliding_window": True,
+              "layer_types": ["sliding_attention", "full_attention"] * 2}
+    target = Qwen3ForCausalLM(Qwen3Config(**config))
+    target.load_state_dict(qwen3_target().state_dict())
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = EOS, PAD
+    return target.eval()
+
+
+def test_sliding_window_layers_commit_the_batch_minimum_and_stay_exact(monkeypatch):
+    """A sliding-window layer keeps only its last slots, so a masked hole would push a real token out of the
+    window: rows commit the same count (as with the rerun rollback) and the output equals plain greedy.
+    The control, per-row commits with holes, diverges."""
+    target, draft = sliding_window_target(), fitted_draft("qwen3")
+    assert TargetCache(target).uniform_commit and not TargetCache(qwen3_target()).uniform_commit
+    input_ids, attention_mask = left_pad(agreeing_prompts("qwen3", 3, seed=0))
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=30, do_sample=False)
+    expected = target.generate(input_ids, **kwargs)
+    assert torch.equal(target.generate(input_ids, assistant_model=draft, **kwargs), expected)
+    assert draft.last_stats.tau > 1
+    monkeypatch.setattr(TargetCache, "uniform_commit", property(lambda self: False))
+    assert not torch.equal(target.generate(input_ids, assistant_model=draft, **kwargs), expected)
 
 
 # ------------------------------------------------------------------------------------------------- sampling

@@ -20,6 +20,8 @@ from tiny_models import (
 )
 from transformers import (
     AutoModel,
+    FalconH1Config,
+    FalconH1ForCausalLM,
     GenerationMixin,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -118,6 +120,7 @@ def test_explicit_function_returns_generate_output_scores_and_statistics():
     for ours, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     stats = draft.last_stats
+    assert actual.past_key_values is None  # the speculative cache (holes, dropped rows) cannot continue
     assert stats.generated_tokens == 15 and stats.committed_tokens == 14  # the prefill made the first token
     assert stats.rounds == len(stats.verify_lengths) and stats.tau > 1
     assert stats.time_total >= stats.time_draft + stats.time_verify + stats.time_rollback
@@ -125,6 +128,17 @@ def test_explicit_function_returns_generate_output_scores_and_statistics():
 
 
 # -------------------------------------------------------------------------------------------------- errors
+def falcon_h1_target() -> FalconH1ForCausalLM:
+    """Mamba and attention side by side in every layer: transformers' "hybrid" cache layers."""
+    torch.manual_seed(0)
+    config = FalconH1Config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1,
+        mamba_d_state=16, mamba_chunk_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return FalconH1ForCausalLM(config).eval()
+
+
 def _draft_with(**overrides) -> DSparkDraftModel:
     config = draft_config([1, 3], 4, **overrides)
     return DSparkDraftModel(config).eval()
@@ -144,17 +158,23 @@ def _draft_with(**overrides) -> DSparkDraftModel:
         (lambda: random_draft("qwen3"), {"output_hidden_states": True}, "output_hidden_states"),
         (lambda: random_draft("qwen3"), {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7,
                                          "streamer": BaseStreamer()}, "streamers take one sequence"),
+        (lambda: random_draft("qwen3"), {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7,
+                                         "prefix_allowed_tokens_fn": lambda batch_id, ids: [5]},
+         "prefix_allowed_tokens_fn with a batch of 2 rows"),
+        (lambda: random_draft("qwen3"), {"target": falcon_h1_target}, r"FalconH1ForCausalLM keeps linear attention"),
     ],
     ids=["hidden", "vocab", "layers", "beams", "return_sequences", "truncation", "no_confidence_head",
-         "hidden_states", "streamer_batch"],
+         "hidden_states", "streamer_batch", "prefix_fn_batch", "hybrid_cache_layers"],
 )
 def test_clear_errors_before_any_target_forward(make_draft, kwargs, message):
-    target, draft = qwen3_target(), make_draft()
+    kwargs = dict(kwargs)
+    target, draft = kwargs.pop("target", qwen3_target)(), make_draft()
+    input_ids = kwargs.pop("input_ids") if "input_ids" in kwargs else _prompt()  # (_prompt runs the qwen3 target)
     forwards = []
     handle = target.register_forward_hook(lambda *args: forwards.append(1))
     try:
         with pytest.raises(ValueError, match=message):
-            target.generate(kwargs.pop("input_ids", _prompt()), assistant_model=draft, max_new_tokens=4, **kwargs)
+            target.generate(input_ids, assistant_model=draft, max_new_tokens=4, **kwargs)
     finally:
         handle.remove()
     assert not forwards

@@ -1,5 +1,6 @@
 """DSparkDraftModel: loading, attention semantics, context caching, Markov chain, confidence and the loss."""
 
+import json
 import math
 
 import pytest
@@ -91,6 +92,24 @@ def test_missing_tensor_is_an_error_not_a_random_init(draft, tmp_path):
     state_dict = {n: t.contiguous() for n, t in draft.state_dict().items() if n != "layers.1.mlp.up_proj.weight"}
     save_file(state_dict, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"lacks 1 tensor\(s\) of the draft, e.g. \['layers.1.mlp.up_proj.weight'\]"):
+        DSparkDraftModel.from_pretrained(tmp_path)
+
+
+def test_missing_tensor_of_a_prefixed_checkpoint_names_its_folder(draft, tmp_path):
+    draft.save_pretrained(tmp_path)
+    state_dict = {"model." + n: t.contiguous() for n, t in draft.state_dict().items() if n != "fc.weight"}
+    save_file(state_dict, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=rf"checkpoint at '{tmp_path}' lacks 1 tensor\(s\).*\['fc.weight'\]"):
+        DSparkDraftModel.from_pretrained(tmp_path)
+
+
+def test_head_tensors_the_config_does_not_build_are_an_error(draft, tmp_path):
+    draft.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for keys in (config, config["dflash_config"]):
+        keys.update(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"head tensors the config does not build.*markov_rank=0"):
         DSparkDraftModel.from_pretrained(tmp_path)
 
 
