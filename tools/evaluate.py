@@ -145,7 +145,7 @@ def add_counts(totals: dict, counts: dict) -> None:
 
 def summarize(evaluation: Evaluation) -> dict:
     """results[T][dataset][method] (dataset 'all' pools the others): tau, tokens/s, speedup, lossless and, for
-    DSpark / DFlash, the conditional acceptance per block position and the mean verify length."""
+    DSpark / DFlash, the conditional acceptance per block position and the mean tokens per verify forward."""
     pooled = defaultdict(lambda: defaultdict(float))
     for (temperature, _, method), totals in evaluation.totals.items():
         add_counts(pooled[temperature, "all", method], totals)
@@ -163,7 +163,7 @@ def summarize(evaluation: Evaluation) -> dict:
             entry["conditional_acceptance"] = [
                 a / t if t else None for a, t in zip(totals["position_accepted"], totals["position_tried"])
             ]
-            entry["mean_verify_length"] = 1 + totals["verified_drafts"] / max(totals["verify_forwards"], 1)
+            entry["mean_verify_tokens"] = 1 + totals["verified_drafts"] / max(totals["verify_forwards"], 1)
         results.setdefault(f"T={temperature:g}", {}).setdefault(dataset, {})[method] = entry
     for per_dataset in results.values():
         for per_method in per_dataset.values():
@@ -210,11 +210,11 @@ def markdown(report: dict) -> str:
         lines.append("")
         detail = [(m, e) for m, e in per_dataset["all"].items() if "conditional_acceptance" in e or "lossless" in e]
         if detail:
-            lines += ["| method | lossless | mean verify length | conditional acceptance by position |",
+            lines += ["| method | lossless | mean tokens per verify forward (drafts + 1) | conditional acceptance by position |",
                       "|---|---|---|---|"]
             for method, entry in detail:
                 acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in entry.get("conditional_acceptance", []))
-                verify = f"{entry['mean_verify_length']:.2f}" if "mean_verify_length" in entry else "-"
+                verify = f"{entry['mean_verify_tokens']:.2f}" if "mean_verify_tokens" in entry else "-"
                 lossless = f"{entry['lossless']:.0%}" if "lossless" in entry else "-"
                 lines.append(f"| {method} | {lossless} | {verify} | {acceptance or '-'} |")
             lines.append("")
