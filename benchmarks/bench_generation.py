@@ -9,8 +9,8 @@ Methods (each row reports tokens/s, the ratio to (a), tokens per target forward,
 Stateful targets also get the rollback cost of replay vs re-run (time per round, tokens/s). Memory: peak
 allocated bytes per method on CUDA, the process's peak RSS on CPU, and the draft's context-cache size per token.
 
-Until the trained pair (embedded/target, embedded/dspark) exists, the default runs on the tiny models of
-tests/tiny_models.py (`--tiny qwen3|deepseek_v3|kimi_linear`, a partially agreeing fitted draft); any pair runs
+Without --target it runs in seconds on the tiny models of tests/tiny_models.py (`--tiny
+qwen3|deepseek_v3|kimi_linear`, a partially agreeing fitted draft); the embedded pair, or any other pair, runs
 with `--target DIR --draft DIR [--assistant DIR] [--dflash DIR]`.
 
     python benchmarks/bench_generation.py --tiny kimi_linear --max-new-tokens 32
