@@ -899,7 +899,7 @@ class _DSparkDecoder:
             return rows, anchors, positions
         index = keep.nonzero()[:, 0]
         self.target_cache.select_rows(index)
-        _select_context_rows(self.context, index.to(self.draft_device))
+        self.context.select_rows(index.to(self.draft_device))
         return rows[index], anchors[index], positions[index]
 
     def _output(self):
@@ -923,13 +923,6 @@ def _steps(per_row: list[list[torch.Tensor]], num_steps: int) -> tuple[torch.Ten
         torch.stack([values[step] if step < len(values) else torch.zeros_like(template) for values in per_row])
         for step in range(num_steps)
     )
-
-
-def _select_context_rows(context, rows: torch.Tensor) -> None:
-    """Keep only `rows` of a draft context cache."""
-    context.keys = [None if keys is None else keys[rows] for keys in context.keys]
-    context.values = [None if values is None else values[rows] for values in context.values]
-    context.lengths = context.lengths[rows]
 
 
 def _random_seeds(batch_size: int, device: torch.device) -> torch.Tensor:

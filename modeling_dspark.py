@@ -121,6 +121,12 @@ class DSparkContextCache:
         """Forget the last `num_tokens` (an int, or [B] per row) committed tokens of each row."""
         self.lengths = (self.lengths - num_tokens).clamp(min=0)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only `rows` [B'] of the batch (finished rows leave)."""
+        self.keys = [None if keys is None else keys[rows] for keys in self.keys]
+        self.values = [None if values is None else values[rows] for values in self.values]
+        self.lengths = self.lengths[rows]
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys/values [B, kv_heads, max_length, d] of one layer (slots past a row's length are stale)."""
         length = self.get_seq_length()
