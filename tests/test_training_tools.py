@@ -14,9 +14,10 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrai
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
 from dspark.configuration_dspark import DSparkConfig
+from dspark.generation_utils import _DSparkDecoder, dspark_generate
 from tools import calibrate, chat_format, regenerate_data, train_draft
-from tools.common import REMOTE_CODE_FILES, RoundRecords, read_jsonl, survival
-from tiny_models import qwen3_target
+from tools.common import REMOTE_CODE_FILES, RoundRecords, read_jsonl, survival, teacher_forced_rounds
+from tiny_models import TARGETS, agreeing_prompts, fitted_draft, qwen3_target
 
 torch.set_num_threads(1)
 TRAIN_FLAGS = ["--batch-size", "2", "--num-layers", "1", "--markov-rank", "16", "--max-length", "512", "--threads", "1"]
@@ -129,9 +130,36 @@ def test_resume_from_a_checkpoint_reproduces_the_run(workspace):
     assert losses(workspace / "straight")[2:] == losses(workspace / "resumed")
 
 
-def synthetic_rounds(scale: float, rounds: int = 4000, block_size: int = 7) -> RoundRecords:
+def test_decoded_rounds_are_the_rounds_greedy_decoding_runs(monkeypatch):
+    """Out of the teacher-forced rounds at every anchor, `decoded()` keeps the ones lossless greedy decoding
+    runs, with the same accepted drafts (compared while decoding may still verify a whole block)."""
+    target, draft = TARGETS["qwen3"](), fitted_draft("qwen3")
+    decoding_accepted = []
+    count = _DSparkDecoder._count
+
+    def record_round(self, num_drafts, num_accepted, num_verified):
+        decoding_accepted.append(int(num_accepted[0]))
+        count(self, num_drafts, num_accepted, num_verified)
+
+    monkeypatch.setattr(_DSparkDecoder, "_count", record_round)
+    max_new_tokens = 40
+    for prompt in agreeing_prompts("qwen3", 4, seed=3):
+        decoding_accepted.clear()
+        sequence = dspark_generate(target, draft, prompt[None], max_new_tokens=max_new_tokens, do_sample=False,
+                                   eos_token_id=None)[0]
+        decoded = teacher_forced_rounds(target, draft, sequence.tolist(), len(prompt)).decoded()
+        accepted = decoded.accepted.sum(-1).tolist()
+        anchors = [sum(n + 1 for n in accepted[:i]) for i in range(len(accepted))]  # response index of each anchor
+        # Decoding keeps one token of its budget for the bonus: from anchor index max_new_tokens - 9 on, it
+        # may verify fewer than 7 drafts.
+        whole_blocks = sum(anchor <= max_new_tokens - 9 for anchor in anchors)
+        assert sum(accepted) > 0 and whole_blocks >= 3
+        assert accepted[:whole_blocks] == decoding_accepted[:whole_blocks]
+
+
+def synthetic_rounds(scale: float, rounds: int = 4000, block_size: int = 7, seed: int = 0) -> RoundRecords:
     """Rounds whose true conditional acceptance is sigmoid(z) but whose head reports `scale` * z."""
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     true_logits = torch.randn(rounds, block_size, generator=generator) + 1.0
     draws = torch.rand(rounds, block_size, generator=generator) < torch.sigmoid(true_logits)
     valid = torch.ones(rounds, block_size, dtype=torch.bool)
@@ -158,6 +186,20 @@ def test_sts_lowers_ece_and_round_trips_through_config(tmp_path):
         {k: v for k, v in before_json.items() if k != "confidence_temperatures"}
 
 
+def test_cross_validation_scores_each_file_with_temperatures_fitted_on_the_others():
+    files = {name: synthetic_rounds(scale=3.0, rounds=2000, seed=seed) for seed, name in enumerate("abc")}
+    files["c"] = RoundRecords(files["c"].confidence_logits / 3.0, files["c"].accepted, files["c"].valid)  # calibrated
+    result = calibrate.cross_validate(files)
+    folds = {fold["data"]: fold for fold in result["folds"]}
+    assert folds["c"]["temperatures"] == calibrate.fit_sequential_temperatures(
+        RoundRecords.concatenate([files["a"], files["b"]]))
+    assert 2.0 < folds["c"]["temperatures"][0] < 4.5  # fitted on the overconfident files...
+    assert folds["c"]["ece_after"] > folds["c"]["ece_before"]  # ...so they miscalibrate the calibrated one
+    assert folds["a"]["ece_after"] < folds["a"]["ece_before"]
+    pooled_before = calibrate.survival_ece(RoundRecords.concatenate(list(files.values())), None)["pooled"]
+    assert result["ece_after"]["pooled"] < pooled_before
+
+
 def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
     from tools import evaluate
 
@@ -166,15 +208,28 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
     draft_dir = workspace / "dspark" / "final"
     report = calibrate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--data",
                              str(workspace / "regen.jsonl"), "--limit", "2", "--out", str(workspace / "calibration")])
-    assert report["in_sample"] and report["ece_after"]["pooled"] <= report["ece_before"]["pooled"] + 1e-9
+    assert report["validation"] == "in-sample"
+    assert report["ece_after"]["pooled"] <= report["ece_before"]["pooled"] + 1e-9
     held_out = calibrate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--data",
                                str(workspace / "regen.jsonl"), "--limit", "2", "--eval-data",
                                str(workspace / "regen.jsonl"), "--eval-limit", "3", "--dry-run",
                                "--out", str(workspace / "calibration_held_out")])
-    assert not held_out["in_sample"] and held_out["eval_rounds"] > held_out["rounds"]
+    assert held_out["validation"] == "held-out" and held_out["eval_rounds"] > held_out["rounds"]
     assert held_out["temperatures"] == report["temperatures"]
     assert json.loads((draft_dir / "config.json").read_text())["confidence_temperatures"] == \
         [round(t, 6) for t in report["temperatures"]]
+
+    records = read_jsonl(workspace / "regen.jsonl")
+    halves = [workspace / "regen_first.jsonl", workspace / "regen_second.jsonl"]
+    for path, part in zip(halves, (records[:4], records[4:])):
+        path.write_text("".join(json.dumps(record) + "\n" for record in part))
+    crossed = calibrate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--data",
+                              *map(str, halves), "--cross-validate", "--dry-run",
+                              "--out", str(workspace / "calibration_crossed")])
+    assert crossed["validation"] == "cross-validated"
+    assert [fold["data"] for fold in crossed["folds"]] == list(map(str, halves))
+    assert sum(fold["rounds"] for fold in crossed["folds"]) == crossed["rounds"]
+    assert "fold " in (workspace / "calibration_crossed" / "calibration.txt").read_text()
 
     out = workspace / "eval"
     evaluate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--dflash",

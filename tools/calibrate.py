@@ -1,22 +1,28 @@
 #!/usr/bin/env python
 """Calibrate a DSpark draft's confidence head by Sequential Temperature Scaling (STS).
 
-1. Rounds: greedy DSpark rounds anchored at every response token of held-out prompts answered greedily
-   by the target (tools/regenerate_data.py --temperature 0). Lossless greedy decoding reproduces those
-   continuations, so each round sees its decoding context; per round and block position k we keep the
-   raw confidence logit raw_k and the prefix-accept mask (d_1..d_{k+1} all accepted).
+1. Rounds: greedy DSpark rounds over held-out prompts answered greedily by the target
+   (tools/regenerate_data.py --temperature 0). Lossless greedy decoding reproduces those continuations,
+   so a round anchored at any response token sees its decoding context; per round and block position k
+   we keep the raw confidence logit raw_k and the prefix-accept mask (d_1..d_{k+1} all accepted).
+   `--rounds decoded` (default) keeps the rounds greedy decoding actually runs (each anchored right
+   after the previous one's committed tokens): the confidences are used there. `--rounds every-token`
+   keeps a round at every response token, which over-weights the easy tokens inside accepted runs.
 2. Fit: one temperature per position, left to right. Position k takes the temperature of a grid of 41
    log-spaced values in [0.1, 10] that minimises the expected calibration error of the survival
    a_k = prod_{j<=k} sigmoid(raw_j / T_j) (earlier T_j already fitted) against the prefix-accept mask.
 3. Report: the ECE of the survival per position and pooled, before (all temperatures 1) and after, on
-   the rounds of --eval-data: held-out prompts the fit did not see (without --eval-data, on the fitted
-   rounds themselves, which flatters "after"; the report says which).
+   rounds the fit did not see: those of --eval-data, or with --cross-validate each --data file scored
+   with the temperatures fitted on the other files (the ECE of the pooled out-of-fold survival, plus
+   each fold's). Without either, on the fitted rounds themselves, which flatters "after"; the report
+   says which. The temperatures written are always those fitted on all of --data.
 4. Write: the temperatures go into the draft's config.json `confidence_temperatures` (only that key is
    changed); the report goes to calibration.json and calibration.txt in --out.
 
 Example:
     python tools/calibrate.py --target embedded/target --draft embedded/dspark \
         --data data/regen/heldout_skip64.jsonl --eval-data data/regen/heldout.jsonl
+    python tools/calibrate.py --draft embedded/dspark --data A.jsonl B.jsonl C.jsonl --cross-validate
 """
 
 from __future__ import annotations
@@ -69,6 +75,24 @@ def survival_ece(rounds: RoundRecords, temperatures: list[float] | None, num_bin
     return {"per_position": per_position, "pooled": pooled}
 
 
+def cross_validate(rounds_per_file: dict[str, RoundRecords], num_bins: int = 10) -> dict:
+    """Leave one file out: each file's rounds scored with the temperatures fitted on the other files.
+
+    Returns each fold's temperatures and pooled ECE before/after, and `ece_after` of the out-of-fold
+    survival of all files together (per position and pooled).
+    """
+    folds, scored = [], []
+    for path, held_out in rounds_per_file.items():
+        others = RoundRecords.concatenate([rounds for other, rounds in rounds_per_file.items() if other != path])
+        temperatures = fit_sequential_temperatures(others, num_bins)
+        folds.append({"data": path, "rounds": held_out.accepted.shape[0], "temperatures": temperatures,
+                      "ece_before": survival_ece(held_out, None, num_bins)["pooled"],
+                      "ece_after": survival_ece(held_out, temperatures, num_bins)["pooled"]})
+        scaled_logits = held_out.confidence_logits.double() / torch.tensor(temperatures, dtype=torch.float64)
+        scored.append(RoundRecords(scaled_logits, held_out.accepted, held_out.valid))
+    return {"folds": folds, "ece_after": survival_ece(RoundRecords.concatenate(scored), None, num_bins)}
+
+
 def write_temperatures(draft_dir: str | Path, temperatures: list[float]) -> None:
     """Set `confidence_temperatures` in config.json (nothing else changes), then check it loads back."""
     path = Path(draft_dir) / "config.json"
@@ -80,16 +104,18 @@ def write_temperatures(draft_dir: str | Path, temperatures: list[float]) -> None
         raise RuntimeError(f"{path}: wrote {config['confidence_temperatures']} but read back {loaded}")
 
 
-def collect_rounds(target, draft, paths: list[str], limit: int, max_length: int, desc: str) -> RoundRecords:
-    """Greedy rounds at every response token of the first `limit` sequences of the (greedy) files."""
+def collect_rounds(target, draft, paths: list[str], limit: int, max_length: int, kind: str,
+                   desc: str) -> dict[str, RoundRecords]:
+    """Greedy rounds (`kind`: "decoded" or "every-token") over the first `limit` sequences of the (greedy) files,
+    per file that keeps any sequence."""
     for path in paths:
         check_greedy(path)
-    records = [record for path in paths for record in read_jsonl(path)][:limit]
-    rounds = [
-        teacher_forced_rounds(target, draft, record["input_ids"][:max_length], record["prompt_len"])
-        for record in tqdm(records, desc=desc, unit="prompt")
-    ]
-    return RoundRecords.concatenate(rounds)
+    records = [(path, record) for path in paths for record in read_jsonl(path)][:limit]
+    per_file: dict[str, list[RoundRecords]] = {}
+    for path, record in tqdm(records, desc=desc, unit="prompt"):
+        rounds = teacher_forced_rounds(target, draft, record["input_ids"][:max_length], record["prompt_len"])
+        per_file.setdefault(path, []).append(rounds.decoded() if kind == "decoded" else rounds)
+    return {path: RoundRecords.concatenate(rounds) for path, rounds in per_file.items()}
 
 
 def check_greedy(path: str) -> None:
@@ -99,15 +125,23 @@ def check_greedy(path: str) -> None:
 
 
 def report_text(report: dict) -> str:
-    where = "the fitted rounds (in-sample)" if report["in_sample"] else f"{report['eval_rounds']} other held-out rounds"
-    lines = [f"Sequential Temperature Scaling fitted on {report['rounds']} rounds ({report['positions']} positions); "
-             f"ECE on {where}",
+    where = "the fitted rounds (in-sample)"
+    if report["validation"] == "held-out":
+        where = f"{report['eval_rounds']} other held-out rounds"
+    elif report["validation"] == "cross-validated":
+        where = (f"the same rounds out of fold (each of {len(report['folds'])} files scored with temperatures "
+                 "fitted on the others)")
+    lines = [f"Sequential Temperature Scaling fitted on {report['rounds']} {report['round_kind']} greedy rounds "
+             f"({report['positions']} positions); ECE on {where}",
              f"{'position':>8} {'T':>8} {'accept':>8} {'ECE before':>11} {'ECE after':>10}"]
     before, after = report["ece_before"], report["ece_after"]
     for k, t in enumerate(report["temperatures"]):
         lines.append(f"{k + 1:>8} {t:>8.3f} {report['prefix_accept_rate'][k]:>8.3f} "
                      f"{before['per_position'][k]:>11.4f} {after['per_position'][k]:>10.4f}")
     lines.append(f"{'pooled':>8} {'':>8} {'':>8} {before['pooled']:>11.4f} {after['pooled']:>10.4f}")
+    for fold in report.get("folds", []):
+        lines.append(f"fold {fold['data']}: {fold['rounds']} rounds, T {[round(t, 3) for t in fold['temperatures']]}, "
+                     f"ECE {fold['ece_before']:.4f} -> {fold['ece_after']:.4f}")
     return "\n".join(lines)
 
 
@@ -117,21 +151,33 @@ def calibrate(args) -> dict:
     draft = load_dspark_draft(args.draft, device)
     if draft.confidence_head is None:
         raise SystemExit(f"{args.draft} has no confidence head (a DFlash draft): nothing to calibrate")
-    rounds = collect_rounds(target, draft, args.data, args.limit, args.max_length, "fit rounds")
+    rounds_per_file = collect_rounds(target, draft, args.data, args.limit, args.max_length, args.rounds, "fit rounds")
+    rounds = RoundRecords.concatenate(list(rounds_per_file.values()))
     temperatures = fit_sequential_temperatures(rounds, args.bins)
-    eval_rounds = rounds
-    if args.eval_data:
-        eval_rounds = collect_rounds(target, draft, args.eval_data, args.eval_limit, args.max_length, "eval rounds")
+    folds = None
+    if args.cross_validate:
+        if len(rounds_per_file) < 2:
+            raise SystemExit("--cross-validate needs at least two --data files with sequences within --limit")
+        eval_rounds, validation = rounds, cross_validate(rounds_per_file, args.bins)
+        folds, ece_after = validation["folds"], validation["ece_after"]
+    else:
+        eval_rounds = rounds
+        if args.eval_data:
+            eval_rounds = RoundRecords.concatenate(list(collect_rounds(
+                target, draft, args.eval_data, args.eval_limit, args.max_length, args.rounds, "eval rounds").values()))
+        ece_after = survival_ece(eval_rounds, temperatures, args.bins)
     valid = eval_rounds.valid.double()
     report = {
-        "draft": str(args.draft), "data": args.data, "rounds": rounds.accepted.shape[0],
+        "draft": str(args.draft), "data": args.data, "round_kind": args.rounds, "rounds": rounds.accepted.shape[0],
         "positions": int(rounds.valid.sum()), "eval_data": args.eval_data or args.data,
-        "eval_rounds": eval_rounds.accepted.shape[0], "in_sample": not args.eval_data,
+        "eval_rounds": eval_rounds.accepted.shape[0],
+        "validation": "cross-validated" if args.cross_validate else "held-out" if args.eval_data else "in-sample",
         "bins": args.bins, "temperatures": temperatures,
         "prefix_accept_rate": ((eval_rounds.accepted.double() * valid).sum(0) / valid.sum(0).clamp(min=1)).tolist(),
         "greedy_acceptance_length": eval_rounds.acceptance_length(),
         "ece_before": survival_ece(eval_rounds, None, args.bins),
-        "ece_after": survival_ece(eval_rounds, temperatures, args.bins),
+        "ece_after": ece_after,
+        **({"folds": folds} if folds else {}),
         "written_to_config": not args.dry_run,
     }
     if not args.dry_run:
@@ -149,9 +195,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", nargs="+", default=["data/regen/heldout.jsonl"],
                         help="held-out GREEDY regenerated data to fit the temperatures on, one or more files")
     parser.add_argument("--limit", type=int, default=256, help="sequences of --data to fit on")
-    parser.add_argument("--eval-data", nargs="+", default=None,
-                        help="other held-out GREEDY data to report the ECE on (default: the fitted rounds)")
+    validation = parser.add_mutually_exclusive_group()
+    validation.add_argument("--eval-data", nargs="+", default=None,
+                            help="other held-out GREEDY data to report the ECE on (default: the fitted rounds)")
+    validation.add_argument("--cross-validate", action="store_true",
+                            help="report the ECE out of fold: each --data file scored with temperatures fitted on "
+                                 "the other files")
     parser.add_argument("--eval-limit", type=int, default=256, help="sequences of --eval-data to use")
+    parser.add_argument("--rounds", choices=["decoded", "every-token"], default="decoded",
+                        help="the rounds greedy decoding runs, or one at every response token (default: %(default)s)")
     parser.add_argument("--max-length", type=int, default=1024, help="tokens per sequence (longer ones are cut)")
     parser.add_argument("--bins", type=int, default=10, help="equal-width bins of the ECE")
     parser.add_argument("--out", default="results/calibration", help="report folder")

@@ -5,7 +5,7 @@
 - JSON / JSON-lines files, regenerated-data records and the shipped evaluation prompt sets;
 - `teacher_forced_rounds`: greedy DSpark rounds at every anchor of a target-greedy continuation, in one
   target forward and one batched draft forward (calibration data, the calibration diagram, the
-  held-out acceptance estimate of training);
+  held-out acceptance estimate of training); `RoundRecords.decoded` keeps the rounds decoding runs;
 - the expected calibration error of a survival curve.
 """
 
@@ -138,6 +138,22 @@ class RoundRecords:
             torch.cat([r.accepted for r in records]),
             torch.cat([r.valid for r in records]),
         )
+
+    def decoded(self) -> RoundRecords:
+        """The rounds that greedy decoding runs, out of the rounds of ONE sequence at every anchor in order.
+
+        Decoding anchors its first round at the first response token and each next one right after the
+        previous round's committed tokens (accepted drafts + the bonus). Rounds at every anchor over-weight
+        the easy tokens inside long accepted runs, which decoding skips over.
+        """
+        kept, index = [], 0
+        num_accepted = self.accepted.sum(-1).tolist()
+        while index < len(num_accepted):
+            kept.append(index)
+            index += num_accepted[index] + 1
+        kept = torch.tensor(kept, dtype=torch.long)
+        logits = None if self.confidence_logits is None else self.confidence_logits[kept]
+        return RoundRecords(logits, self.accepted[kept], self.valid[kept])
 
     def acceptance_length(self) -> float:
         """Mean accepted drafts + 1 (the bonus token) over rounds whose whole block lies in the sequence."""

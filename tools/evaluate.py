@@ -16,7 +16,8 @@ Per dataset, method and temperature: tau (tokens per target verification, bonus 
 speedup over the target alone, and (temperature 0) the share of outputs identical to the target's greedy
 output. DSpark / DFlash add the conditional acceptance of each block position and the mean verify
 length. The calibration diagram compares the DSpark survival (with the config's temperatures, and with
-all temperatures 1) to the prefix-accept mask of greedy rounds on the target's temperature-0 answers.
+all temperatures 1) to the prefix-accept mask of the greedy rounds that decoding runs on the target's
+temperature-0 answers (`RoundRecords.decoded`).
 
 Outputs in --out: eval.json, eval.md, tau.png, acceptance.png, calibration.png.
 
@@ -174,10 +175,13 @@ def summarize(evaluation: Evaluation) -> dict:
 
 
 def calibration_summary(target, draft, greedy_answers, bins: int) -> dict | None:
-    """Reliability of the DSpark survival on greedy rounds over the target's temperature-0 answers."""
+    """Reliability of the DSpark survival on the greedy rounds decoding runs over the target's temperature-0
+    answers."""
     if draft is None or draft.confidence_head is None or not greedy_answers:
         return None
-    rounds = RoundRecords.concatenate([teacher_forced_rounds(target, draft, ids, n) for ids, n in greedy_answers])
+    rounds = RoundRecords.concatenate(
+        [teacher_forced_rounds(target, draft, ids, n).decoded() for ids, n in greedy_answers]
+    )
     if rounds.accepted.shape[0] == 0:
         return None
     summary = {"rounds": rounds.accepted.shape[0]}
@@ -210,7 +214,8 @@ def markdown(report: dict) -> str:
         lines.append("")
         detail = [(m, e) for m, e in per_dataset["all"].items() if "conditional_acceptance" in e or "lossless" in e]
         if detail:
-            lines += ["| method | lossless | mean tokens per verify forward (drafts + 1) | conditional acceptance by position |",
+            lines += ["| method | lossless | mean tokens per verify forward (drafts + 1) "
+                      "| conditional acceptance by position |",
                       "|---|---|---|---|"]
             for method, entry in detail:
                 acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in entry.get("conditional_acceptance", []))
@@ -222,7 +227,7 @@ def markdown(report: dict) -> str:
         lines.append(f"- `{method}` not run: {reason}")
     calibration = report.get("calibration")
     if calibration:
-        lines += ["", f"Calibration of the survival on {calibration['rounds']} greedy rounds: ECE "
+        lines += ["", f"Calibration of the survival on {calibration['rounds']} decoded greedy rounds: ECE "
                   f"{calibration['uncalibrated']['ece']:.4f} with all temperatures 1, "
                   f"{calibration['calibrated']['ece']:.4f} with the config's temperatures."]
     return "\n".join(lines) + "\n"
@@ -279,7 +284,7 @@ def plot(report: dict, out: Path) -> None:
         ax.text(0.5, 0.5, "no DSpark confidence head", ha="center")
     ax.set_xlabel("predicted survival")
     ax.set_ylabel("observed prefix acceptance")
-    ax.set_title("Calibration of the survival (greedy rounds)")
+    ax.set_title("Calibration of the survival (decoded greedy rounds)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "calibration.png", dpi=120)
