@@ -535,7 +535,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
                 f"{missing[:6]}. Check that config.json belongs to these weights (num_hidden_layers, markov_rank, "
                 "enable_confidence_head) or convert the checkpoint with tools/convert_checkpoint.py."
             )
-        unused_heads = sorted(k for k in loading_info["unexpected_keys"] if k.startswith(("markov_head.", "confidence_head.")))
+        unused_heads = sorted(
+            k for k in loading_info["unexpected_keys"] if k.startswith(("markov_head.", "confidence_head."))
+        )
         if unused_heads:
             raise ValueError(
                 f"DSpark: the checkpoint at {str(checkpoint)!r} has head tensors the config does not build, e.g. "

@@ -64,8 +64,9 @@ def fit_sequential_temperatures(rounds: RoundRecords, num_bins: int = 10) -> lis
     return temperatures
 
 
-def survival_ece(rounds: RoundRecords, temperatures: list[float] | None, num_bins: int = 10) -> dict:
-    """ECE of the survival per position and pooled over all valid (round, position) pairs."""
+def survival_ece(rounds: RoundRecords, temperatures: list[float] | torch.Tensor | None, num_bins: int = 10) -> dict:
+    """ECE of the survival per position and pooled over all valid (round, position) pairs. `temperatures`: one
+    per position, or [N, S] one per round and position."""
     curve = survival(rounds.confidence_logits.double(), temperatures)
     per_position = [
         expected_calibration_error(curve[rounds.valid[:, k], k], rounds.accepted[rounds.valid[:, k], k], num_bins)
@@ -81,16 +82,16 @@ def cross_validate(rounds_per_file: dict[str, RoundRecords], num_bins: int = 10)
     Returns each fold's temperatures and pooled ECE before/after, and `ece_after` of the out-of-fold
     survival of all files together (per position and pooled).
     """
-    folds, scored = [], []
+    folds, round_temperatures = [], []
     for path, held_out in rounds_per_file.items():
         others = RoundRecords.concatenate([rounds for other, rounds in rounds_per_file.items() if other != path])
         temperatures = fit_sequential_temperatures(others, num_bins)
         folds.append({"data": path, "rounds": held_out.accepted.shape[0], "temperatures": temperatures,
                       "ece_before": survival_ece(held_out, None, num_bins)["pooled"],
                       "ece_after": survival_ece(held_out, temperatures, num_bins)["pooled"]})
-        scaled_logits = held_out.confidence_logits.double() / torch.tensor(temperatures, dtype=torch.float64)
-        scored.append(RoundRecords(scaled_logits, held_out.accepted, held_out.valid))
-    return {"folds": folds, "ece_after": survival_ece(RoundRecords.concatenate(scored), None, num_bins)}
+        round_temperatures.append(torch.tensor(temperatures, dtype=torch.float64).expand(len(held_out.accepted), -1))
+    all_rounds = RoundRecords.concatenate(list(rounds_per_file.values()))
+    return {"folds": folds, "ece_after": survival_ece(all_rounds, torch.cat(round_temperatures), num_bins)}
 
 
 def write_temperatures(draft_dir: str | Path, temperatures: list[float]) -> None:
