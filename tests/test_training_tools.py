@@ -10,13 +10,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, KimiLinearConfig, PreTrainedTokenizerFast
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
 from dspark.configuration_dspark import DSparkConfig
 from dspark.generation_utils import _DSparkDecoder, dspark_generate
 from tools import calibrate, chat_format, regenerate_data, train_draft
-from tools.common import REMOTE_CODE_FILES, RoundRecords, read_jsonl, survival, teacher_forced_rounds
+from tools.common import (
+    REMOTE_CODE_FILES, RoundRecords, load_training_state, read_jsonl, save_training_state, survival,
+    teacher_forced_rounds,
+)
 from tiny_models import TARGETS, agreeing_prompts, fitted_draft, qwen3_target
 
 torch.set_num_threads(1)
@@ -128,6 +131,51 @@ def test_resume_from_a_checkpoint_reproduces_the_run(workspace):
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
     assert losses(workspace / "straight")[2:] == losses(workspace / "resumed")
+
+
+class RunsCodeWhenUnpickled:
+    """Pickles to a call of `exec` that creates `marker`: what a hostile training state could hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return exec, (f"open({str(self.marker)!r}, 'w').close()",)
+
+
+def test_resume_refuses_a_training_state_that_would_run_code(workspace, tmp_path):
+    marker = tmp_path / "code-ran"
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    torch.save({"step": 2, "optimizer": RunsCodeWhenUnpickled(marker)}, checkpoint / "trainer_state.pt")
+    with pytest.raises(SystemExit, match="refusing to resume from .*unpickling them could run code"):
+        train(workspace, "dspark", "hostile", "--max-steps", "2", "--resume", str(checkpoint))
+    assert not marker.exists()
+
+
+def test_training_states_of_both_trainers_round_trip_without_pickled_objects(tmp_path):
+    """The states tools/train_draft.py and tools/train_target.py write (optimizer, LambdaLR, a transformers
+    config dict, counters) load with weights_only=True; anything that could run code is refused."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, train_draft.lr_lambda(10, 0.1))
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+             "config": KimiLinearConfig().to_dict(), "step": 1, "elapsed": 0.5, "last_eval": None,
+             "args": {"data": ["a.jsonl"], "lr": 1e-3}}
+    save_training_state(tmp_path / "state.pt", state)
+    loaded = load_training_state(tmp_path / "state.pt")
+    assert loaded.keys() == state.keys() and loaded["config"] == state["config"] and loaded["args"] == state["args"]
+    assert torch.equal(loaded["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
+    assert loaded["scheduler"] == scheduler.state_dict()
+
+    marker = tmp_path / "code-ran"
+    torch.save({**state, "state": RunsCodeWhenUnpickled(marker)}, tmp_path / "hostile.pt")
+    with pytest.raises(SystemExit, match="refusing to resume from .*hostile.pt"):
+        load_training_state(tmp_path / "hostile.pt")
+    assert not marker.exists()
 
 
 def test_decoded_rounds_are_the_rounds_greedy_decoding_runs(monkeypatch):

@@ -3,6 +3,7 @@
 - loading a target (any transformers causal LM + its tokenizer) and DSpark drafts;
 - saving a draft in the Hub layout (config.json + model.safetensors + the four remote-code files);
 - JSON / JSON-lines files, regenerated-data records and the shipped evaluation prompt sets;
+- resumable training states (optimizer, scheduler, counters) saved and loaded without unpickling code;
 - `teacher_forced_rounds`: greedy DSpark rounds at every anchor of a target-greedy continuation, in one
   target forward and one batched draft forward (calibration data, the calibration diagram, the
   held-out acceptance estimate of training); `RoundRecords.decoded` keeps the rounds decoding runs;
@@ -13,6 +14,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import pickle
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +45,33 @@ def write_json(path: str | Path, obj) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def save_training_state(path: str | Path, state: dict) -> None:
+    """Writes a resumable training state atomically (a crash mid-write leaves the previous file intact).
+
+    `state` may hold tensors, numbers, strings, None and lists / tuples / dicts of them (what optimizer and
+    scheduler `state_dict()`s hold), so `load_training_state` can read it without unpickling arbitrary objects.
+    """
+    path = Path(path)
+    partial = path.with_name(path.name + ".tmp")
+    torch.save(state, partial)
+    os.replace(partial, path)
+
+
+def load_training_state(path: str | Path, map_location: str | torch.device | None = None) -> dict:
+    """Reads a state written by `save_training_state` with `torch.load(weights_only=True)`.
+
+    A file holding any other Python object (a pickle that could run code when loaded) is refused.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        found = re.search(r"WeightsUnpickler error: (.*?)(?: was not|\.|$)", str(error), re.MULTILINE)
+        detail = f" ({found.group(1)})" if found else ""
+        raise SystemExit(f"refusing to resume from {path}: it holds Python objects other than tensors, numbers, "
+                         f"strings and containers{detail}, and unpickling them could run code. Resume only from "
+                         f"training states written by these tools.") from None
 
 
 # ---------------------------------------------------------------------------------------------- devices

@@ -56,8 +56,8 @@ from dspark.generation_utils import TargetFeatureCapture, decoder_layers
 from dspark.modeling_dspark import CE_WEIGHT, L1_WEIGHT, DSparkDraftModel
 from tools import chat_format
 from tools.common import (
-    DTYPES, RoundRecords, add_model_arguments, apply_threads, load_target, read_jsonl,
-    resolve_device, save_hub_layout, teacher_forced_rounds, write_json,
+    DTYPES, RoundRecords, add_model_arguments, apply_threads, load_target, load_training_state, read_jsonl,
+    resolve_device, save_hub_layout, save_training_state, teacher_forced_rounds, write_json,
 )
 
 KINDS = ("dspark", "dflash", "assistant")
@@ -252,7 +252,7 @@ class Trainer:
         self.save_model(path)
         state = {"step": self.step, "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "elapsed": self.elapsed, "tokens": self.tokens, "args": vars(self.args)}
-        torch.save(state, path / "trainer_state.pt")
+        save_training_state(path / "trainer_state.pt", state)
         checkpoints = sorted(self.out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
         for old in checkpoints[: -self.args.keep_checkpoints]:
             shutil.rmtree(old)
@@ -272,7 +272,7 @@ class Trainer:
             path = checkpoints[-1]
         else:
             path = Path(spec)
-        state = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=False)
+        state = load_training_state(path / "trainer_state.pt", map_location=self.device)
         weights = load_file(path / "model.safetensors", device=str(self.device))
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])

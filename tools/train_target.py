@@ -18,7 +18,8 @@ Stages (all in one run; each is skipped when its output already exists in ``--ru
 4. train: AdamW, linear warmup then cosine decay over the ``--max-minutes`` wall-clock budget (or
    ``--max-steps``), grad clipping, JSON-lines log ``{run-dir}/log.jsonl``, checkpoint
    ``{run-dir}/ckpt.pt`` every ``--ckpt-minutes`` (``--resume`` continues from it, budget included).
-5. export: ``save_pretrained`` of model + tokenizer + generation config to ``--final-dir``
+5. export: ``save_pretrained`` of model + tokenizer (with ``tools.chat_format.CHAT_TEMPLATE`` in its
+   ``tokenizer_config.json``) + generation config to ``--final-dir``
    (default ``embedded/target``) and ``TRAINING.md`` there; a greedy sample is generated through
    ``AutoModelForCausalLM``/``AutoTokenizer`` from the exported folder. ``--export-only`` exports
    the latest checkpoint without training.
@@ -45,6 +46,7 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from tools import chat_format as cf  # noqa: E402
+from tools.common import load_training_state, save_training_state  # noqa: E402
 
 KIND_NONE, KIND_RESP, KIND_CODE = 0, 1, 2
 
@@ -284,9 +286,7 @@ def lr_at(args, step, progress):
 
 
 def save_ckpt(path, model, opt, state, cfg_dict):
-    tmp = path + ".tmp"
-    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "config": cfg_dict}, tmp)
-    os.replace(tmp, path)
+    save_training_state(path, {"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "config": cfg_dict})
 
 
 def log_line(path, obj):
@@ -310,7 +310,8 @@ def export(args, model, tok, state, extra):
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
         do_sample=False, max_new_tokens=256)
     model.save_pretrained(out)
-    tok.save_pretrained(out)
+    tok.chat_template = cf.CHAT_TEMPLATE
+    tok.save_pretrained(out, save_jinja_files=False)  # the template inside tokenizer_config.json, as shipped
     # check the export loads offline and generates greedily
     m2 = AutoModelForCausalLM.from_pretrained(out)
     t2 = AutoTokenizer.from_pretrained(out)
@@ -489,7 +490,7 @@ def main(argv=None):
         raise SystemExit(f"cached rows have length {train_ids.shape[1]}, not --seq-len {args.seq_len}")
 
     # 3. model
-    ck = torch.load(ckpt_path, weights_only=False) if (args.resume or args.export_only) and os.path.exists(ckpt_path) else None
+    ck = load_training_state(ckpt_path) if (args.resume or args.export_only) and os.path.exists(ckpt_path) else None
     if (args.resume or args.export_only) and ck is None:
         raise SystemExit(f"no checkpoint at {ckpt_path}")
     cfg = KimiLinearConfig.from_dict(ck["config"]) if ck else build_config(args, tok)
