@@ -59,6 +59,24 @@ def format_prompt(user_turns: list[str], assistant_turns: list[str] | None = Non
     return text
 
 
+#: The same rendering as a Jinja chat template (``tokenizer.apply_chat_template``), shipped in the embedded
+#: target's ``tokenizer_config.json`` and written by ``tools/train_target.py``'s export. Turns alternate user,
+#: assistant, user, ... (no system turn); ``add_generation_prompt`` opens the assistant turn.
+CHAT_TEMPLATE = (
+    f"{BOS}"
+    "{% for message in messages %}"
+    "{% if message['role'] != ['user', 'assistant'][loop.index0 % 2] %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/... starting with user.') }}"
+    "{% elif message['role'] == 'user' %}"
+    f"{USER}\n{{{{ message['content'] }}}}\n"
+    "{% else %}"
+    f"{ASSISTANT}\n{{{{ message['content'] }}}}{EOS}\n"
+    "{% endif %}"
+    "{% endfor %}"
+    f"{{% if add_generation_prompt %}}{ASSISTANT}\n{{% endif %}}"
+)
+
+
 def format_response(response: str) -> str:
     """The assistant text as trained (the response followed by the EOS that ends the turn)."""
     return response + EOS
