@@ -11,7 +11,12 @@ Two engines read this configuration besides transformers:
 The config therefore accepts the DSpark keys from either place and always writes both.
 """
 
+import math
+from collections.abc import Callable
+from typing import NamedTuple
+
 from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
 
 # DSpark keys that live both at the top level and inside `dflash_config`, with their defaults
 # (the Kimi K3 checkpoint's values).
@@ -30,9 +35,74 @@ SUPPORTED_MARKOV_HEAD_TYPES = ("vanilla",)
 KNOWN_MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
 
+class ValueType(NamedTuple):
+    """A JSON type a config value must have: how errors describe it, and the test (bool is never a number)."""
+
+    description: str
+    accepts: Callable[[object], bool]
+
+    def or_null(self) -> "ValueType":
+        return ValueType(f"{self.description} or null", lambda value: value is None or self.accepts(value))
+
+
+def _is_integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_list_of(value, accepts: Callable[[object], bool]) -> bool:
+    return isinstance(value, (list, tuple)) and all(accepts(item) for item in value)
+
+
+def _json_type(value) -> str:
+    """How an error names the type a value has: `null`, `str`, `a list of float`."""
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)) and value:
+        return "a list of " + " / ".join(sorted({_json_type(item) for item in value}))
+    return type(value).__name__
+
+
+INTEGER = ValueType("an integer", _is_integer)
+NUMBER = ValueType("a finite number", _is_number)
+BOOLEAN = ValueType("true or false", lambda value: isinstance(value, bool))
+STRING = ValueType("a string", lambda value: isinstance(value, str))
+INTEGER_LIST = ValueType("a list of integers", lambda value: _is_list_of(value, _is_integer))
+NUMBER_LIST = ValueType("a list of finite numbers", lambda value: _is_list_of(value, _is_number))
+INTEGER_OR_INTEGER_LIST = ValueType("an integer or a list of integers",
+                                    lambda value: _is_integer(value) or INTEGER_LIST.accepts(value))
+
+# The type of every value the draft reads, checked before any rule on the values themselves.
+VALUE_TYPES = {
+    **dict.fromkeys(
+        ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+         "num_key_value_heads", "head_dim", "max_position_embeddings", "trained_context_length", "block_size",
+         "num_target_layers", "mask_token_id", "markov_rank"),
+        INTEGER,
+    ),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "attention_dropout", "initializer_range"), NUMBER),
+    **dict.fromkeys(("hidden_act", "markov_head_type"), STRING),
+    **dict.fromkeys(("attention_bias", "enable_confidence_head", "confidence_head_with_markov"), BOOLEAN),
+    "target_layer_ids": INTEGER_LIST,
+    "confidence_temperatures": NUMBER_LIST.or_null(),
+    "bos_token_id": INTEGER.or_null(),
+    "pad_token_id": INTEGER.or_null(),
+    "eos_token_id": INTEGER_OR_INTEGER_LIST.or_null(),
+}
+POSITIVE_INTEGER_KEYS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "num_target_layers", "max_position_embeddings", "trained_context_length",
+)  # fmt: skip
+
+
 class DSparkConfig(PreTrainedConfig):
     r"""
     Configuration of a [`DSparkDraftModel`]. Defaults reproduce the Kimi K3 draft (2,249,289,601 parameters).
+    Every value's JSON type is checked first (`VALUE_TYPES`; true / false is not an integer), then the rules on
+    the values; an error names the key, the value and what it must be.
 
     Args:
         vocab_size: size of the target's vocabulary (rows of the Markov tables).
@@ -87,16 +157,17 @@ class DSparkConfig(PreTrainedConfig):
         **kwargs,
     ):
         # DSpark keys: top level (SGLang) wins over nested (SpecForge); a disagreement is an error.
-        nested = dict(dflash_config or {})
+        if dflash_config is not None and not isinstance(dflash_config, dict):
+            raise ValueError(f"DSparkConfig: invalid `dflash_config` = {dflash_config!r}: must be an object "
+                             f"(a dict of the DSpark keys), not {_json_type(dflash_config)}.")
+        nested = dflash_config or {}
         for key, default in DSPARK_KEYS.items():
-            top = kwargs.pop(key, None)
-            if top is not None and key in nested and nested[key] != top:
+            if key in kwargs and key in nested and nested[key] != kwargs[key]:
                 raise ValueError(
-                    f"DSparkConfig: `{key}` is {top!r} at the top level but {nested[key]!r} in `dflash_config`. "
-                    "SGLang reads the top level and SpecForge the nested value: make them equal."
+                    f"DSparkConfig: `{key}` is {kwargs[key]!r} at the top level but {nested[key]!r} in "
+                    "`dflash_config`. SGLang reads the top level and SpecForge the nested value: make them equal."
                 )
-            setattr(self, key, top if top is not None else nested.get(key, default))
-        self.target_layer_ids = list(self.target_layer_ids)
+            setattr(self, key, kwargs.pop(key) if key in kwargs else nested.get(key, default))
 
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -113,11 +184,13 @@ class DSparkConfig(PreTrainedConfig):
         self.attention_bias = attention_bias
         self.attention_dropout = attention_dropout
         self.initializer_range = initializer_range
-        self.confidence_temperatures = (
-            [float(t) for t in confidence_temperatures] if confidence_temperatures is not None else None
-        )
+        self.confidence_temperatures = confidence_temperatures
         kwargs.pop("is_causal", None)  # the draft is bidirectional; SGLang would obey a stray `is_causal`
         super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
+        self._validate_types()
+        self.target_layer_ids = list(self.target_layer_ids)
+        if self.confidence_temperatures is not None:
+            self.confidence_temperatures = [float(t) for t in self.confidence_temperatures]
         self._validate_dspark()
 
     @property
@@ -139,13 +212,20 @@ class DSparkConfig(PreTrainedConfig):
         output.pop("is_causal", None)
         return output
 
-    def _validate_dspark(self) -> None:
-        def fail(key: str, rule: str) -> None:
-            raise ValueError(f"DSparkConfig: invalid `{key}` = {getattr(self, key)!r}: {rule}")
+    def _fail(self, key: str, rule: str) -> None:
+        raise ValueError(f"DSparkConfig: invalid `{key}` = {getattr(self, key)!r}: {rule}")
 
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                    "num_attention_heads", "num_key_value_heads", "head_dim", "num_target_layers"):
-            if not isinstance(getattr(self, key), int) or getattr(self, key) <= 0:
+    def _validate_types(self) -> None:
+        for key, value_type in VALUE_TYPES.items():
+            value = getattr(self, key)
+            if not value_type.accepts(value):
+                self._fail(key, f"must be {value_type.description}, not {_json_type(value)}. "
+                                "Fix its type in config.json.")
+
+    def _validate_dspark(self) -> None:
+        fail = self._fail
+        for key in POSITIVE_INTEGER_KEYS:
+            if getattr(self, key) <= 0:
                 fail(key, "must be a positive integer.")
         if self.num_attention_heads % self.num_key_value_heads:
             fail("num_attention_heads", f"must be divisible by num_key_value_heads ({self.num_key_value_heads}).")
@@ -162,7 +242,7 @@ class DSparkConfig(PreTrainedConfig):
             fail("target_layer_ids", "must be strictly increasing (sorted, no duplicates).")
         if not 0 <= self.mask_token_id < self.vocab_size:
             fail("mask_token_id", f"must be a token id inside the vocabulary [0, {self.vocab_size}).")
-        if not isinstance(self.markov_rank, int) or self.markov_rank < 0:
+        if self.markov_rank < 0:
             fail("markov_rank", "must be a non-negative integer (0 disables the Markov head).")
         if self.markov_head_type not in KNOWN_MARKOV_HEAD_TYPES:
             fail("markov_head_type", f"unknown type; expected one of {KNOWN_MARKOV_HEAD_TYPES}.")
@@ -179,6 +259,8 @@ class DSparkConfig(PreTrainedConfig):
             fail("rms_norm_eps", "must be positive.")
         if self.rope_theta <= 0:
             fail("rope_theta", "must be positive.")
+        if self.hidden_act not in ACT2FN:
+            fail("hidden_act", "unknown activation; use one of transformers' ACT2FN names, e.g. 'silu'.")
 
 
 __all__ = ["DSparkConfig"]

@@ -100,6 +100,15 @@ def edit_config(edit):
     return lambda checkpoint: rewrite_config(checkpoint, edit)
 
 
+def set_config_value(key: str, value):
+    """Writes `value` wherever config.json holds `key` (the DSpark keys are also in `dflash_config`)."""
+    def edit(raw):
+        for keys in (raw, raw["dflash_config"]):
+            if key in keys:
+                keys[key] = value
+    return edit_config(edit)
+
+
 # failure: (how to corrupt a valid checkpoint, the check that must fail, a phrase of its error)
 FAILURES = {
     "wrong shape": (set_tensor("fc.weight", lambda sd: sd["fc.weight"][:, 1:].clone()),
@@ -124,6 +133,14 @@ FAILURES = {
                       "config: architectures", "need ['DSparkDraftModel']"),
     "remote code missing": (lambda c: (c / "modeling_dspark.py").unlink(),
                             "config: auto_map and remote-code files", "whose file is missing"),
+    "block_size a string": (set_config_value("block_size", "4"),
+                            "config: DSparkConfig accepts it", "`block_size` = '4': must be an integer, not str"),
+    "float target layer ids": (set_config_value("target_layer_ids", [1.0, 3.0]), "config: DSparkConfig accepts it",
+                               "`target_layer_ids` = [1.0, 3.0]: must be a list of integers, not a list of float"),
+    "rms_norm_eps a string": (set_config_value("rms_norm_eps", "1e-5"), "config: DSparkConfig accepts it",
+                              "`rms_norm_eps` = '1e-5': must be a finite number, not str"),
+    "unknown hidden_act": (set_config_value("hidden_act", "bogus"), "config: DSparkConfig accepts it",
+                           "`hidden_act` = 'bogus': unknown activation"),
 }
 
 

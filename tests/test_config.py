@@ -1,6 +1,7 @@
 """DSparkConfig: the Kimi K3 configuration, both key layouts, and validation of bad values."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -128,6 +129,8 @@ def test_is_causal_is_never_written(tmp_path):
         ({"hidden_size": 0}, "`hidden_size` = 0: must be a positive integer"),
         ({"head_dim": 7}, "`head_dim` = 7: must be even"),
         ({"rms_norm_eps": 0.0}, "`rms_norm_eps` = 0.0: must be positive"),
+        ({"trained_context_length": 0}, "`trained_context_length` = 0: must be a positive integer"),
+        ({"hidden_act": "bogus"}, "`hidden_act` = 'bogus': unknown activation; use one of transformers' ACT2FN"),
     ],
 )
 def test_bad_values_name_the_key_and_the_rule(overrides, message):
@@ -139,3 +142,44 @@ def test_a_plain_dflash_draft_is_valid():
     config = DSparkConfig(**tiny_kwargs(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False))
     model = DSparkDraftModel(config)
     assert model.markov_head is None and model.confidence_head is None
+
+
+# (key, a value of the wrong type, the type the error must ask for); bool is never accepted as a number.
+WRONG_TYPES = [
+    ("block_size", "7", "an integer"),
+    ("block_size", 7.0, "an integer"),
+    ("block_size", None, "an integer"),
+    ("block_size", True, "an integer"),
+    ("mask_token_id", "3", "an integer"),
+    ("markov_rank", 8.0, "an integer"),
+    ("hidden_size", True, "an integer"),
+    ("trained_context_length", "4096", "an integer"),
+    ("max_position_embeddings", 1.5, "an integer"),
+    ("rms_norm_eps", "1e-5", "a finite number"),
+    ("rms_norm_eps", float("nan"), "a finite number"),
+    ("rope_theta", "10000", "a finite number"),
+    ("target_layer_ids", "1,2,4", "a list of integers"),
+    ("target_layer_ids", [1.0, 3.0], "a list of integers"),
+    ("target_layer_ids", [1, True], "a list of integers"),
+    ("enable_confidence_head", "true", "true or false"),
+    ("attention_bias", 0, "true or false"),
+    ("hidden_act", 1, "a string"),
+    ("markov_head_type", None, "a string"),
+    ("confidence_temperatures", "1,1,1,1", "a list of finite numbers or null"),
+    ("eos_token_id", "2", "an integer or a list of integers or null"),
+    ("pad_token_id", 0.0, "an integer or null"),
+]
+
+
+@pytest.mark.parametrize("key, value, expected", WRONG_TYPES)
+def test_values_of_the_wrong_type_name_the_key_the_value_and_the_type(key, value, expected):
+    with pytest.raises(ValueError, match=rf"invalid `{key}` = {re.escape(repr(value))}: must be {expected}, not "):
+        DSparkConfig(**tiny_kwargs(**{key: value}))
+
+
+def test_a_wrong_type_in_dflash_config_is_reported_too():
+    config = {k: v for k, v in tiny_kwargs().items() if k not in DSPARK_KEYS}
+    with pytest.raises(ValueError, match=r"invalid `target_layer_ids` = '1,3': must be a list of integers, not str"):
+        DSparkConfig(**config, dflash_config={**tiny_kwargs(), "target_layer_ids": "1,3"})
+    with pytest.raises(ValueError, match=r"invalid `dflash_config` = \[4\]: must be an object"):
+        DSparkConfig(**config, dflash_config=[4])
