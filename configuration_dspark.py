@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import torch
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
@@ -57,6 +58,11 @@ def _is_list_of(value, accepts: Callable[[object], bool]) -> bool:
     return isinstance(value, (list, tuple)) and all(accepts(item) for item in value)
 
 
+def _is_torch_dtype(value) -> bool:
+    named = isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)
+    return named or isinstance(value, torch.dtype)
+
+
 def _json_type(value) -> str:
     """How an error names the type a value has: `null`, `str`, `a list of float`."""
     if value is None:
@@ -72,6 +78,7 @@ BOOLEAN = ValueType("true or false", lambda value: isinstance(value, bool))
 STRING = ValueType("a string", lambda value: isinstance(value, str))
 INTEGER_LIST = ValueType("a list of integers", lambda value: _is_list_of(value, _is_integer))
 NUMBER_LIST = ValueType("a list of finite numbers", lambda value: _is_list_of(value, _is_number))
+TORCH_DTYPE = ValueType("a torch dtype name such as 'bfloat16'", _is_torch_dtype)
 INTEGER_OR_INTEGER_LIST = ValueType("an integer or a list of integers",
                                     lambda value: _is_integer(value) or INTEGER_LIST.accepts(value))
 
@@ -91,6 +98,7 @@ VALUE_TYPES = {
     "bos_token_id": INTEGER.or_null(),
     "pad_token_id": INTEGER.or_null(),
     "eos_token_id": INTEGER_OR_INTEGER_LIST.or_null(),
+    "dtype": TORCH_DTYPE.or_null(),
 }
 POSITIVE_INTEGER_KEYS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -158,8 +166,7 @@ class DSparkConfig(PreTrainedConfig):
     ):
         # DSpark keys: top level (SGLang) wins over nested (SpecForge); a disagreement is an error.
         if dflash_config is not None and not isinstance(dflash_config, dict):
-            raise ValueError(f"DSparkConfig: invalid `dflash_config` = {dflash_config!r}: must be an object "
-                             f"(a dict of the DSpark keys), not {_json_type(dflash_config)}.")
+            _fail("dflash_config", dflash_config, f"must be an object, not {_json_type(dflash_config)}.")
         nested = dflash_config or {}
         for key, default in DSPARK_KEYS.items():
             if key in kwargs and key in nested and nested[key] != kwargs[key]:
@@ -186,8 +193,9 @@ class DSparkConfig(PreTrainedConfig):
         self.initializer_range = initializer_range
         self.confidence_temperatures = confidence_temperatures
         kwargs.pop("is_causal", None)  # the draft is bidirectional; SGLang would obey a stray `is_causal`
-        super().__init__(bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id, **kwargs)
-        self._validate_types()
+        token_ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+        _validate_types({**vars(self), **token_ids, "dtype": kwargs.get("dtype", kwargs.get("torch_dtype"))})
+        super().__init__(**token_ids, **kwargs)
         self.target_layer_ids = list(self.target_layer_ids)
         if self.confidence_temperatures is not None:
             self.confidence_temperatures = [float(t) for t in self.confidence_temperatures]
@@ -212,18 +220,10 @@ class DSparkConfig(PreTrainedConfig):
         output.pop("is_causal", None)
         return output
 
-    def _fail(self, key: str, rule: str) -> None:
-        raise ValueError(f"DSparkConfig: invalid `{key}` = {getattr(self, key)!r}: {rule}")
-
-    def _validate_types(self) -> None:
-        for key, value_type in VALUE_TYPES.items():
-            value = getattr(self, key)
-            if not value_type.accepts(value):
-                self._fail(key, f"must be {value_type.description}, not {_json_type(value)}. "
-                                "Fix its type in config.json.")
-
     def _validate_dspark(self) -> None:
-        fail = self._fail
+        def fail(key: str, rule: str) -> None:
+            _fail(key, getattr(self, key), rule)
+
         for key in POSITIVE_INTEGER_KEYS:
             if getattr(self, key) <= 0:
                 fail(key, "must be a positive integer.")
@@ -261,6 +261,18 @@ class DSparkConfig(PreTrainedConfig):
             fail("rope_theta", "must be positive.")
         if self.hidden_act not in ACT2FN:
             fail("hidden_act", "unknown activation; use one of transformers' ACT2FN names, e.g. 'silu'.")
+
+
+def _fail(key: str, value, rule: str) -> None:
+    raise ValueError(f"DSparkConfig: invalid `{key}` = {value!r}: {rule}")
+
+
+def _validate_types(values: dict) -> None:
+    """Checks the type of every key of `VALUE_TYPES` in `values` (the config's values before any use)."""
+    for key, value_type in VALUE_TYPES.items():
+        if not value_type.accepts(values[key]):
+            _fail(key, values[key], f"must be {value_type.description}, not {_json_type(values[key])}. "
+                                    "Fix its type in config.json.")
 
 
 __all__ = ["DSparkConfig"]

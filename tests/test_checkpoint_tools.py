@@ -92,6 +92,16 @@ def truncate(checkpoint: Path) -> None:
         f.truncate(path.stat().st_size - 2)
 
 
+def write_raw_header(checkpoint: Path, header: bytes) -> None:
+    """Replaces model.safetensors by a file whose header is `header` (no data)."""
+    (checkpoint / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+
+
+def shard_index_without_weight_map(checkpoint: Path) -> None:
+    (checkpoint / "model.safetensors").rename(checkpoint / "model-00001-of-00001.safetensors")
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}}))
+
+
 def set_tensor(name: str, make):
     return lambda checkpoint: rewrite_weights(checkpoint, lambda sd: sd.update({name: make(sd)}))
 
@@ -141,6 +151,19 @@ FAILURES = {
                               "`rms_norm_eps` = '1e-5': must be a finite number, not str"),
     "unknown hidden_act": (set_config_value("hidden_act", "bogus"), "config: DSparkConfig accepts it",
                            "`hidden_act` = 'bogus': unknown activation"),
+    "header is a JSON list": (lambda c: write_raw_header(c, b"[1, 2]  "), "files: safetensors headers and layout",
+                              "the header is a JSON list, not an object"),
+    "header entry with a text shape": (
+        lambda c: write_raw_header(c, b'{"fc.weight": {"dtype": "BF16", "shape": "32x64", "data_offsets": [0, 4]}}'),
+        "files: safetensors headers and layout", "malformed header entry for fc.weight"),
+    "index without weight_map": (shard_index_without_weight_map, "files: safetensors headers and layout",
+                                 "model.safetensors.index.json: no `weight_map` object"),
+    "dflash_config not an object": (edit_config(lambda raw: raw.update(dflash_config=7)),
+                                    "config: dflash_config (SpecForge)", "missing or not an object"),
+    "dtype a list": (set_config_value("dtype", ["bfloat16"]), "config: DSparkConfig accepts it",
+                     "`dtype` = ['bfloat16']: must be a torch dtype name"),
+    "auto_map not an object": (edit_config(lambda raw: raw.update(auto_map=["x"])),
+                               "config: auto_map and remote-code files", "auto_map has no AutoConfig"),
 }
 
 
@@ -166,9 +189,23 @@ def test_expected_parameter_count_option(checkpoint, capsys):
     assert "expected 2,249,289,601 (--expected-parameters)" in failed_checks(report)["tensors: parameter count"][-1]
 
 
-def test_unreadable_checkpoint_exits_2(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "config_text, message",
+    [
+        (None, "no config.json"),
+        ("[1, 2]", "config.json holds a JSON list, not an object"),
+        ("{", "cannot read config.json (ValueError: config.json: not valid JSON"),
+        ('{"dtype": "int8"}', "unsupported dtype 'int8'"),
+    ],
+)
+def test_unreadable_checkpoint_exits_2_with_one_error_line(tmp_path, capsys, config_text, message):
+    if config_text is not None:
+        (tmp_path / "config.json").write_text(config_text)
     assert verify_checkpoint.main([str(tmp_path)]) == 2
-    assert "no config.json" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("error: ") and out.count("\n") == 1 and message in out
+    code, failure = run_cli(verify_checkpoint, [tmp_path], capsys)
+    assert code == 2 and not failure["ok"] and message in failure["error"]
 
 
 def test_text_report(checkpoint, capsys):
@@ -355,4 +392,57 @@ def test_converter_refuses_tensors_that_do_not_match_the_config(tmp_path, capsys
     save_file(model.state_dict(), tmp_path / "model.safetensors")
     DSparkConfig(**tiny_kwargs(num_hidden_layers=3)).to_json_file(tmp_path / "config.json")
     code, report = run_cli(convert_checkpoint, [tmp_path, tmp_path / "out"], capsys)
-    assert code == 1 and "missing: layers.2." in report["error"] and not (tmp_path / "out").exists()
+    assert code == 2 and "missing: layers.2." in report["error"] and not (tmp_path / "out").exists()
+
+
+class RunsCodeWhenUnpickled:
+    def __reduce__(self):
+        return exec, ("raise SystemExit('unpickled')",)
+
+
+def torch_file(content):
+    return lambda source: torch.save(content, source / "draft.pt")
+
+
+def truncated_torch_file(source: Path) -> None:
+    torch.save(tiny_draft().state_dict(), source / "draft.pt")
+    data = (source / "draft.pt").read_bytes()
+    (source / "draft.pt").write_bytes(data[: len(data) // 2])
+
+
+def truncated_safetensors(source: Path) -> None:
+    save_file(tiny_draft().state_dict(), source / "model.safetensors")
+    truncate(source)
+
+
+# source: (how to write the unreadable part of a checkpoint folder that has a valid config.json, a phrase of the error)
+UNREADABLE_SOURCES = {
+    ".pt holding a list": (torch_file([1, 2]), "draft.pt: holds list data, not a state dict"),
+    ".pt holding a tensor": (torch_file(torch.zeros(3)), "draft.pt: holds Tensor data, not a state dict"),
+    ".pt holding an int": (torch_file(7), "draft.pt: holds int data, not a state dict"),
+    ".pt holding code": (torch_file({"fc.weight": RunsCodeWhenUnpickled()}), "unpickling them could run code"),
+    "truncated .pt": (truncated_torch_file, "draft.pt: not a readable .pt weight file: truncated or corrupt"),
+    "truncated safetensors": (truncated_safetensors,
+                              "model.safetensors: not a readable .safetensors weight file: truncated or corrupt"),
+    "index without weight_map": (lambda source: (source / "model.safetensors.index.json").write_text("{}"),
+                                 "model.safetensors.index.json: no `weight_map` object"),
+    "index that is not JSON": (lambda source: (source / "model.safetensors.index.json").write_text("{"),
+                               "model.safetensors.index.json: not valid JSON"),
+    "config that is a list": (lambda source: (source / "config.json").write_text("[]"),
+                              "config.json: holds a JSON list, not a config object"),
+}
+
+
+@pytest.mark.parametrize("source_kind", UNREADABLE_SOURCES)
+def test_converter_reports_an_unreadable_source_in_one_error_line(source_kind, tmp_path, capsys):
+    write, message = UNREADABLE_SOURCES[source_kind]
+    source = tmp_path / "source"
+    source.mkdir()
+    DSparkConfig(**tiny_kwargs()).to_json_file(source / "config.json")
+    write(source)
+    assert convert_checkpoint.main([str(source), str(tmp_path / "out")]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("error: ") and out.count("\n") == 1 and message in out, out
+    code, failure = run_cli(convert_checkpoint, [source, tmp_path / "out"], capsys)
+    assert code == 2 and not failure["ok"] and message in failure["error"]
+    assert not (tmp_path / "out").exists()

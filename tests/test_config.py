@@ -168,6 +168,8 @@ WRONG_TYPES = [
     ("confidence_temperatures", "1,1,1,1", "a list of finite numbers or null"),
     ("eos_token_id", "2", "an integer or a list of integers or null"),
     ("pad_token_id", 0.0, "an integer or null"),
+    ("dtype", ["bfloat16"], "a torch dtype name such as 'bfloat16' or null"),
+    ("dtype", "bogus", "a torch dtype name such as 'bfloat16' or null"),
 ]
 
 
@@ -181,5 +183,5 @@ def test_a_wrong_type_in_dflash_config_is_reported_too():
     config = {k: v for k, v in tiny_kwargs().items() if k not in DSPARK_KEYS}
     with pytest.raises(ValueError, match=r"invalid `target_layer_ids` = '1,3': must be a list of integers, not str"):
         DSparkConfig(**config, dflash_config={**tiny_kwargs(), "target_layer_ids": "1,3"})
-    with pytest.raises(ValueError, match=r"invalid `dflash_config` = \[4\]: must be an object"):
+    with pytest.raises(ValueError, match=r"invalid `dflash_config` = \[4\]: must be an object, not a list of int"):
         DSparkConfig(**config, dflash_config=[4])

@@ -19,12 +19,15 @@ Usage::
     python tools/convert_checkpoint.py runs/specforge/epoch_3 hub/Kimi-K3-DSpark
     python tools/convert_checkpoint.py draft.pt hub/draft --config draft_config.json --max-shard-size 2GB --json
 
-Exit status: 0 when the converted checkpoint verifies, 1 otherwise.
+Exit status: 0 when the converted checkpoint verifies, 1 when it was written but fails verification, 2 when
+nothing was written (an unreadable source, a config or tensors that do not fit the draft): one ``error:`` line,
+or a JSON object with ``--json``.
 """
 
 import argparse
 import json
 import os
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -37,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.common import REMOTE_CODE_FILES, REPO_ROOT  # noqa: E402  (importing `tools` registers `dspark`)
 from tools.verify_checkpoint import (  # noqa: E402
     ARCHITECTURE, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, TensorInfo, check_tensors, expected_tensor_table,
-    format_report, verify_checkpoint,
+    format_report, verify_checkpoint, weight_map_of,
 )  # fmt: skip
 from dspark.configuration_dspark import DSparkConfig  # noqa: E402
 from dspark.modeling_dspark import DSparkDraftModel  # noqa: E402
@@ -57,7 +60,7 @@ def weight_files(source: Path) -> list[Path]:
     if (source / SINGLE_FILE).is_file():
         return [source / SINGLE_FILE]
     if (source / INDEX_FILE).is_file():
-        weight_map = json.loads((source / INDEX_FILE).read_text())["weight_map"]
+        weight_map = weight_map_of(read_json_file(source / INDEX_FILE), source / INDEX_FILE)
         return [source / name for name in sorted(set(weight_map.values()))]
     torch_files = sorted(p for p in source.iterdir() if p.suffix in TORCH_SUFFIXES)
     if len(torch_files) != 1:
@@ -68,13 +71,39 @@ def weight_files(source: Path) -> list[Path]:
     return torch_files
 
 
+def read_weight_file(path: Path):
+    """The parsed contents of a safetensors or torch file; ValueError (naming the file) when it cannot be parsed."""
+    try:
+        if path.suffix == ".safetensors":
+            return load_file(path)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path}: holds Python objects other than tensors, numbers and containers; refused, as "
+                         "unpickling them could run code. Save a plain state dict (or safetensors)") from None
+    except Exception as error:  # a truncated or foreign file: each format fails in its own way
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"{path}: not a readable {path.suffix} weight file: truncated or corrupt ({reason})") from None
+
+
+def read_json_file(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ValueError(f"{path}: not valid JSON ({error})") from None
+
+
 def load_torch_state_dict(path: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = read_weight_file(path)
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: holds {type(state).__name__} data, not a state dict (tensor names -> tensors)")
     for wrapper in STATE_DICT_WRAPPERS:
         if isinstance(state.get(wrapper), dict):
             state = state[wrapper]
             break
-    not_tensors = [name for name, value in state.items() if not isinstance(value, torch.Tensor)]
+    not_tensors = [name for name, value in state.items()
+                   if not isinstance(name, str) or not isinstance(value, torch.Tensor)]
     if not_tensors:
         raise ValueError(f"{path}: not a state dict of tensors (non-tensor entries {not_tensors[:5]})")
     return state
@@ -84,7 +113,10 @@ def load_state_dict(source: Path) -> dict[str, torch.Tensor]:
     """All tensors of the checkpoint, with the Hub names (`DSparkDraftModel.normalize_state_dict`)."""
     state_dict = {}
     for path in weight_files(source):
-        state_dict.update(load_file(path) if path.suffix == ".safetensors" else load_torch_state_dict(path))
+        tensors = read_weight_file(path) if path.suffix == ".safetensors" else load_torch_state_dict(path)
+        if repeated := sorted(state_dict.keys() & tensors.keys()):
+            raise ValueError(f"{path}: repeats {repeated[:5]}, already read from another file of {source}")
+        state_dict.update(tensors)
     return DSparkDraftModel.normalize_state_dict(state_dict)
 
 
@@ -93,7 +125,9 @@ def load_config(source: Path, config_path: Path | None = None) -> DSparkConfig:
     config_path = config_path or (source if source.is_dir() else source.parent) / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path}: no config; pass --config")
-    raw = json.loads(config_path.read_text())
+    raw = read_json_file(config_path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_path}: holds a JSON {type(raw).__name__}, not a config object")
     return DSparkConfig.from_dict({key: value for key, value in raw.items() if key not in REWRITTEN_CONFIG_KEYS})
 
 
@@ -119,7 +153,7 @@ def write_hub_checkpoint(
     found = {name: TensorInfo(tuple(t.shape), SAFETENSORS_DTYPES[dtype]) for name, t in state_dict.items()}
     errors = [error for check in check_tensors(found, expected_tensor_table(config, dtype)) for error in check.errors]
     if errors:
-        raise ValueError("the tensors do not match the config's draft:\n  " + "\n  ".join(errors))
+        raise ValueError("the tensors do not match the config's draft: " + "; ".join(errors))
 
     output.mkdir(parents=True, exist_ok=True)
     if any(output.iterdir()):
@@ -176,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         failure = {"source": str(args.source), "ok": False, "error": str(error)}
         print(json.dumps(failure) if args.json else f"error: {error}")
-        return 1
+        return 2
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -286,7 +286,8 @@ def lr_at(args, step, progress):
 
 
 def save_ckpt(path, model, opt, state, cfg_dict):
-    save_training_state(path, {"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "config": cfg_dict})
+    checkpoint = {"model": model.state_dict(), "opt": opt.state_dict(), "state": state, "config": cfg_dict}
+    save_training_state(path, checkpoint)
 
 
 def log_line(path, obj):

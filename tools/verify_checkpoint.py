@@ -108,9 +108,12 @@ class CheckpointFiles:
     def size(self, name: str) -> int:
         return self.fs.size(self.path(name))
 
-    def read_json(self, name: str) -> dict:
+    def read_json(self, name: str):
         with self.fs.open(self.path(name), "rb") as f:
-            return json.loads(f.read())
+            try:
+                return json.loads(f.read())
+            except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError
+                raise ValueError(f"{name}: not valid JSON ({error})") from None
 
     def read_safetensors_header(self, name: str) -> tuple[dict, int]:
         """The JSON header of a safetensors file and the header's length in bytes (without the 8-byte prefix).
@@ -127,7 +130,34 @@ class CheckpointFiles:
             raw = f.read(length)
         if len(raw) != length:
             raise ValueError(f"header truncated ({len(raw)} of {length} bytes)")
-        return json.loads(raw), length
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a JSON {type(header).__name__}, not an object")
+        return header, length
+
+
+def weight_map_of(index, path: str | os.PathLike) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file name) of the parsed model.safetensors.index.json at `path`."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+        raise ValueError(f"{path}: no `weight_map` object mapping tensor names to shard file names")
+    return weight_map
+
+
+def is_size(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def parse_header_entry(entry) -> tuple[TensorInfo, int, int]:
+    """Shape, dtype and data span of one safetensors header entry; ValueError when any is malformed."""
+    if not isinstance(entry, dict):
+        raise ValueError("not an object")
+    shape, dtype, offsets = entry.get("shape"), entry.get("dtype"), entry.get("data_offsets")
+    if not (isinstance(shape, list) and all(map(is_size, shape)) and isinstance(dtype, str)
+            and isinstance(offsets, list) and len(offsets) == 2 and all(map(is_size, offsets))
+            and offsets[0] <= offsets[1]):
+        raise ValueError("needs `shape` (sizes), `dtype` (a name) and `data_offsets` ([begin, end])")
+    return TensorInfo(tuple(shape), dtype), offsets[0], offsets[1]
 
 
 def read_tensor_table(files: CheckpointFiles) -> tuple[dict[str, TensorInfo], list[str], Check]:
@@ -137,7 +167,11 @@ def read_tensor_table(files: CheckpointFiles) -> tuple[dict[str, TensorInfo], li
     if files.exists(SINGLE_FILE):
         shard_names, weight_map = [SINGLE_FILE], None
     elif files.exists(INDEX_FILE):
-        weight_map = files.read_json(INDEX_FILE).get("weight_map", {})
+        try:
+            weight_map = weight_map_of(files.read_json(INDEX_FILE), INDEX_FILE)
+        except ValueError as error:
+            check.errors.append(str(error))
+            return tensors, [], check
         shard_names = sorted(set(weight_map.values()))
     else:
         check.errors.append(f"neither {SINGLE_FILE} nor {INDEX_FILE} found")
@@ -156,10 +190,9 @@ def read_tensor_table(files: CheckpointFiles) -> tuple[dict[str, TensorInfo], li
         data_end = 0
         for name, entry in header.items():
             try:
-                info = TensorInfo(tuple(entry["shape"]), entry["dtype"])
-                begin, end = entry["data_offsets"]
-            except (KeyError, TypeError, ValueError):
-                check.errors.append(f"{shard}: malformed header entry for {name}")
+                info, begin, end = parse_header_entry(entry)
+            except ValueError as error:
+                check.errors.append(f"{shard}: malformed header entry for {name} ({error})")
                 continue
             data_end = max(data_end, end)
             if info.dtype not in DTYPE_BYTES:
@@ -204,13 +237,14 @@ def check_config(raw: dict, files: CheckpointFiles) -> tuple[list[Check], DSpark
         top_level.errors.append(f"missing {missing}: SGLang reads them from the top level only")
     if isinstance(raw.get("markov_rank"), int) and raw["markov_rank"] <= 0:
         top_level.errors.append("markov_rank must be positive: SGLang's DSpark loader builds the Markov head from it")
-    if "is_causal" in raw or "is_causal" in (raw.get("dflash_config") or {}):
+    dflash = raw.get("dflash_config")
+    if "is_causal" in raw or (isinstance(dflash, dict) and "is_causal" in dflash):
         top_level.errors.append("`is_causal` present: SGLang would apply it to every draft layer; remove it")
 
     nested = Check("config: dflash_config (SpecForge)")
-    dflash = raw.get("dflash_config")
     if not isinstance(dflash, dict):
-        nested.errors.append("missing: SpecForge reads the DSpark keys from the nested `dflash_config`")
+        nested.errors.append("missing or not an object: SpecForge reads the DSpark keys from the nested "
+                             "`dflash_config` object")
     else:
         for key in DSPARK_KEYS:
             if key not in dflash:
@@ -219,11 +253,13 @@ def check_config(raw: dict, files: CheckpointFiles) -> tuple[list[Check], DSpark
                 nested.errors.append(f"`{key}` is {dflash[key]!r} here but {raw[key]!r} at the top level")
 
     remote_code = Check("config: auto_map and remote-code files")
-    auto_map = raw.get("auto_map") or {}
+    auto_map = raw.get("auto_map")
+    auto_map = auto_map if isinstance(auto_map, dict) else {}
     for auto_class in ("AutoConfig", "AutoModel"):
         reference = auto_map.get(auto_class)
-        if not reference:
-            remote_code.errors.append(f"auto_map has no {auto_class}: transformers users cannot load it")
+        if not reference or not isinstance(reference, str):
+            remote_code.errors.append(f"auto_map has no {auto_class} (a 'module.Class' name): "
+                                      "transformers users cannot load it")
         elif not files.exists(reference.rsplit(".", 1)[0] + ".py"):
             remote_code.errors.append(f"auto_map.{auto_class} names {reference}, whose file is missing")
 
@@ -296,8 +332,11 @@ def verify_checkpoint(
         raise CheckpointError(f"{location}: no config.json") from error
     except Exception as error:  # offline mode, network, authentication: whatever stops the first read
         raise CheckpointError(f"{location}: cannot read config.json ({type(error).__name__}: {error})") from error
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{location}: config.json holds a JSON {type(raw).__name__}, not an object")
     checks, config = check_config(raw, files)
-    dtype = dtype or raw.get("dtype") or raw.get("torch_dtype") or DEFAULT_DTYPE
+    config_dtype = raw.get("dtype") or raw.get("torch_dtype")
+    dtype = dtype or (config_dtype if isinstance(config_dtype, str) else DEFAULT_DTYPE)  # else a config finding
     if dtype not in SAFETENSORS_DTYPES:
         raise CheckpointError(f"{location}: unsupported dtype {dtype!r}; expected one of {sorted(SAFETENSORS_DTYPES)}")
     report = {"checkpoint": location, "source": files.kind, "revision": revision, "dtype": dtype, "files": []}
