@@ -18,12 +18,16 @@ causal LM as the target; `install_generate_route()` (called when `modeling_dspar
    `TargetCache`); the draft context appends the features of the committed tokens only.
 """
 
+import contextvars
+import copy
 import functools
 import hashlib
 import inspect
 import json
+import math
 import os
 import sys
+import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -34,7 +38,37 @@ import torch
 from torch import nn
 from transformers import DynamicCache, GenerationMixin
 from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
-from transformers.generation import GenerateDecoderOnlyOutput, LogitsProcessorList, StoppingCriteriaList
+from transformers.generation import (
+    EncoderRepetitionPenaltyLogitsProcessor,
+    EosTokenCriteria,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    ExponentialDecayLengthPenalty,
+    ForcedBOSTokenLogitsProcessor,
+    ForcedEOSTokenLogitsProcessor,
+    GenerateDecoderOnlyOutput,
+    InfNanRemoveLogitsProcessor,
+    LogitNormalization,
+    LogitsProcessorList,
+    MaxLengthCriteria,
+    MaxTimeCriteria,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoBadWordsLogitsProcessor,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    SequenceBiasLogitsProcessor,
+    StoppingCriteriaList,
+    StopStringCriteria,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 from .kernels import verify_block
 
@@ -45,10 +79,25 @@ SPS_PROFILE_VERSION = 2  # what `profile_sps` times; a new value invalidates the
 
 # Chunked delta-rule kernels whose inputs can be replayed with the matching token-by-token recurrence:
 # (module-level chunk function, recurrent function), looked up in the target's modeling module. A verify
-# forward runs the recurrence in place of the chunked kernel (see `TargetCache`).
+# forward runs the recurrence in place of the chunked kernel (see `TargetCache`). Both take the gate g in log
+# space, per key channel (KDA: [B, T, heads, d_k]) or per head (gated delta rule: [B, T, heads]).
 DELTA_RULE_KERNELS = (
     ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention"),  # kimi_linear (KDA)
+    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"),  # qwen3_next, qwen3_5, olmo_hybrid
 )
+# The keywords of a chunked delta-rule call, besides g, beta and initial_state, whose meaning replay knows (all that
+# transformers 5.23 passes): q/k normalisation (per token), the final-state flag and chunking that replay sets
+# itself, packed sequences (`cu_seqlens`, only None) and generation flags the model forwards to its kernels
+# untouched. Any other keyword (fla's `use_gate_in_kernel`, say) may change what g = 0, beta = 0 mean.
+REPLAYABLE_KEYWORDS = frozenset(
+    {"use_qk_l2norm_in_kernel", "output_final_state", "chunk_size", "cu_seqlens", "use_cache", "output_router_logits"}
+)
+
+# Permanent interception points shared by every copy of this file (remote code is copied once per revision) and
+# found by these attributes: they act only for the DSpark call running in the current context (thread).
+_KERNEL_ROUTE = "_dspark_kernel_route"  # on a wrapped chunk kernel: its ContextVar (interceptor or None)
+_ACTIVE_CAPTURES = "_dspark_active_captures"  # on a layer's capture hook: its ContextVar (tuple of captures)
+_INSTALL_LOCK = threading.Lock()
 
 
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
@@ -64,11 +113,14 @@ def decoder_layers(target: nn.Module) -> nn.ModuleList:
 
 
 class TargetFeatureCapture:
-    """Forward hooks that record the outputs of `layer_ids` (pre-norm residual stream) of a target.
+    """Records the outputs of `layer_ids` (pre-norm residual stream) of the target forwards run inside its block.
 
     Used as a context manager around target forwards. `features()` returns the captured layers
     concatenated in `layer_ids` order, [B, T, len(layer_ids) * H], on `device`: those of the LAST forward, so
     read them before another one (a "rerun" rollback, say) replaces them.
+    Call-scoped: each captured layer carries one permanent forward hook (installed by the first capture, a no-op
+    outside captures) that records into the captures active in the current context only, so threads sharing one
+    target each receive the features of their own forwards.
     Works for targets dispatched with accelerate (each layer's output lives on that layer's device).
     """
 
@@ -79,32 +131,55 @@ class TargetFeatureCapture:
                 f"DSpark: the draft reads target layers {layer_ids} but {type(target).__name__} has only "
                 f"{len(layers)} layers. Use the target the draft was trained for (see `num_target_layers`)."
             )
-        self.layers = [layers[i] for i in layer_ids]
         self.device = device
+        self._slots: dict[nn.Module, list[int]] = {}  # layer -> its positions in `layer_ids`
+        for slot, index in enumerate(layer_ids):
+            self._slots.setdefault(layers[index], []).append(slot)
+        self._active_captures = list(dict.fromkeys(_capture_hook(layer) for layer in self._slots))
         self._outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
-        self._handles = []
+        self._tokens = []
 
     def __enter__(self) -> "TargetFeatureCapture":
-        for slot, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_hook(self._hook(slot)))
+        self._tokens = [(active, active.set((*active.get(), self))) for active in self._active_captures]
         return self
 
     def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
+        for active, token in reversed(self._tokens):
+            active.reset(token)
+        self._tokens = []
 
-    def _hook(self, slot: int):
-        def record(module, args, output):
+    def record(self, layer: nn.Module, output) -> None:
+        """Called by the capture hooks with every layer output of this context's forwards."""
+        for slot in self._slots.get(layer, ()):
             self._outputs[slot] = output[0] if isinstance(output, tuple) else output
-
-        return record
 
     def features(self) -> torch.Tensor:
         if any(output is None for output in self._outputs):
             raise RuntimeError("DSpark: no target forward was captured yet.")
         device = self.device if self.device is not None else self._outputs[0].device
         return torch.cat([output.to(device, non_blocking=True) for output in self._outputs], dim=-1)
+
+
+_active_captures = contextvars.ContextVar("dspark_active_captures", default=())
+
+
+def _record_layer_output(layer: nn.Module, args, output) -> None:
+    """The capture hook: hands a layer's output to the captures active in the current context (usually none)."""
+    for capture in _active_captures.get():
+        capture.record(layer, output)
+
+
+setattr(_record_layer_output, _ACTIVE_CAPTURES, _active_captures)
+
+
+def _capture_hook(layer: nn.Module) -> contextvars.ContextVar:
+    """The ContextVar of `layer`'s capture hook; registers `_record_layer_output` if no copy of this file has."""
+    with _INSTALL_LOCK:
+        for hook in layer._forward_hooks.values():
+            if hasattr(hook, _ACTIVE_CAPTURES):
+                return getattr(hook, _ACTIVE_CAPTURES)
+        layer.register_forward_hook(_record_layer_output)
+        return _active_captures
 
 
 def is_dspark_draft(model) -> bool:
@@ -161,6 +236,20 @@ class SpsCurve:
 
     points: dict[int, float]
 
+    def __post_init__(self):
+        if not self.points:
+            raise ValueError(
+                "DSpark: an SpsCurve needs at least one point {tokens per forward: steps/s}; pass measured points, "
+                "or sps_curve=None to profile the target (`load_sps_curve`)."
+            )
+        for num_tokens, sps in self.points.items():
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+                raise ValueError(f"DSpark: SpsCurve token count {num_tokens!r} must be a positive int.")
+            if isinstance(sps, bool) or not isinstance(sps, (int, float)) or not (math.isfinite(sps) and sps > 0):
+                raise ValueError(
+                    f"DSpark: SpsCurve steps/s {sps!r} at {num_tokens} tokens must be a positive finite number."
+                )
+
     def __call__(self, num_tokens: int) -> float:
         counts = sorted(self.points)
         if num_tokens <= counts[0]:
@@ -177,7 +266,13 @@ class SpsCurve:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "SpsCurve":
-        return cls({int(k): float(v) for k, v in json.loads(Path(path).read_text())["points"].items()})
+        try:
+            return cls({int(k): float(v) for k, v in json.loads(Path(path).read_text())["points"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as error:  # JSONDecodeError is a ValueError
+            raise ValueError(
+                f"DSpark: the SPS curve file {path} is corrupt ({type(error).__name__}: {error}). Delete it; "
+                "truncation='schedule' (or `load_sps_curve`) then profiles the target again."
+            ) from error
 
 
 @torch.no_grad()
@@ -192,7 +287,7 @@ def profile_sps(
     `context_length` tokens, as the decoder runs them (the target forward and the default rollback of all
     t tokens); returns the median steps/s per token count (batch_size * t)."""
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
-    device = _input_device(target)
+    device, devices = _input_device(target), _devices(target)
     target_cache = TargetCache(target)
     context = torch.randint(vocab_size, (batch_size, context_length), device=device)
     target_cache.forward(context, torch.arange(context_length, device=device).expand(batch_size, -1), num_logits=1)
@@ -205,11 +300,11 @@ def profile_sps(
         kept = torch.full((batch_size,), 1 if tokens == 1 else 0, device=device)
         seconds = []
         for _ in range(repeats + 1):  # the first run warms up
-            _synchronize(device)
+            _synchronize(devices)
             start = time.perf_counter()
             target_cache.forward(input_ids, position_ids, num_logits=tokens, verify=True)
             target_cache.commit(kept)
-            _synchronize(device)
+            _synchronize(devices)
             seconds.append(time.perf_counter() - start)
         points[batch_size * tokens] = 1.0 / sorted(seconds[1:])[len(seconds[1:]) // 2]
     return SpsCurve(points)
@@ -232,12 +327,12 @@ def load_sps_curve(
     """The cached SPS curve of this target (`path`, default `default_sps_path`), profiled and saved first if it
     lacks the token counts of this batch size."""
     path = Path(path) if path is not None else default_sps_path(target)
-    curve = SpsCurve.load(path) if path.exists() else SpsCurve({})
+    points = SpsCurve.load(path).points if path.exists() else {}
     needed = {batch_size * t for t in range(1, max_tokens_per_row + 1)}
-    if not needed <= curve.points.keys():
-        curve.points.update(profile_sps(target, batch_size, max_tokens_per_row).points)
-        curve.save(path)
-    return curve
+    if not needed <= points.keys():
+        points.update(profile_sps(target, batch_size, max_tokens_per_row).points)
+        SpsCurve(points).save(path)
+    return SpsCurve(points)
 
 
 def choose_num_drafts(
@@ -296,6 +391,10 @@ class TargetCache:
       The verify itself also runs through that recurrence rather than the chunked kernel: a verify window
       is a few tokens, the chunked kernel pads it to a whole chunk (64; transformers' PyTorch fallback then
       loops over all 64 rows), and the recurrence is what the target decodes single tokens with.
+      Replay relies on the kernel's gating convention, so it accepts only calls whose keywords it knows
+      (`REPLAYABLE_KEYWORDS`), checked at the prefill: otherwise "auto" falls back to "rerun" and "replay" raises.
+      The interception is call-scoped: one permanent wrapper per modeling module routes the kernel through a
+      ContextVar set during this cache's forwards, and calls the kernel unchanged in any other context.
     - "rerun": snapshot the linear-attention states before the verify, restore them after it and re-run
       the committed tokens through the target (one extra forward, with the model's own kernels; the fallback
       for recurrences this module does not know). All rows commit the batch minimum of accepted drafts,
@@ -320,6 +419,7 @@ class TargetCache:
                 f"({sorted(set(hybrid))}), which DSpark cannot roll back. Decode it without an assistant."
             )
         self.kernels = _delta_rule_kernels(target)
+        requested = rollback
         if not self.linear_layers:
             rollback = "crop"
         elif rollback == "auto":
@@ -330,6 +430,8 @@ class TargetCache:
                 f"none of {[chunk for chunk, _ in DELTA_RULE_KERNELS]}. Use rollback='rerun'."
             )
         self.rollback = rollback
+        self._fall_back_to_rerun = rollback == "replay" and requested == "auto"  # if the kernel's keywords are unknown
+        self._kernel_route = _kernel_route(*self.kernels[:2]) if rollback == "replay" else None
         self.slot_mask: torch.Tensor | None = None  # [B, C] 1 where an attention slot holds a committed token
         self.logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._verify: dict = {}  # what the last verify forward left for `commit`
@@ -374,45 +476,63 @@ class TargetCache:
 
     @contextmanager
     def _prepare_rollback(self, input_ids, position_ids, verify: bool):
-        self._verify = {"input_ids": input_ids, "position_ids": position_ids, "calls": []}
-        if not verify or input_ids.shape[1] == 1 or self.rollback in ("crop", "none"):
-            yield
-        elif self.rollback == "rerun":
+        self._verify = {"input_ids": input_ids, "position_ids": position_ids, "calls": [], "unreplayable": set()}
+        verify = verify and input_ids.shape[1] > 1  # a 1-token verify commits its token: nothing to roll back
+        if self.rollback == "rerun" and verify:
             self._verify["snapshot"] = [
                 ({i: s.clone() for i, s in layer.conv_states.items() if s is not None},
                  {i: s.clone() for i, s in layer.recurrent_states.items() if s is not None})
                 for layer in self.linear_layers
             ]
             yield
-        else:
-            with self._verify_through_recurrence(self._verify["calls"]):
+        elif self.rollback == "replay":  # every forward: the prefill checks the kernel's keywords
+            self._verify["replaying"] = verify
+            token = self._kernel_route.set(self._route_chunk_call)
+            try:
                 yield
-            if len(self._verify["calls"]) != len(self.linear_layers):
-                raise RuntimeError(
-                    f"DSpark: {len(self._verify['calls'])} of the target's {len(self.linear_layers)} linear-attention "
-                    f"layers called `{self.kernels[1]}` during the verify, so their state cannot be replayed (was the "
-                    "kernel replaced, or the model compiled?). Pass rollback='rerun'."
-                )
-
-    @contextmanager
-    def _verify_through_recurrence(self, calls: list[_DeltaRuleCall]):
-        """Within the block, the model's chunked delta-rule kernel runs the token-by-token recurrence instead,
-        and appends each call's pre-verify state and inputs to `calls`."""
-        module, chunk_name, recurrent_name = self.kernels
-        chunk, recurrent = getattr(module, chunk_name), getattr(module, recurrent_name)
-
-        def recurrence_recording_its_inputs(query, key, value, g, beta, *args, initial_state=None, **kwargs):
-            if initial_state is None:  # not a continuation: nothing to roll back
-                return chunk(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
-            kwargs = _recurrent_kwargs(kwargs)
-            calls.append(_DeltaRuleCall(initial_state, initial_state.clone(), (query, key, value, g, beta), kwargs))
-            return recurrent(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
-
-        setattr(module, chunk_name, recurrence_recording_its_inputs)
-        try:
+            finally:
+                self._kernel_route.reset(token)
+            self._check_replayable(verify)
+        else:
             yield
-        finally:
-            setattr(module, chunk_name, chunk)
+
+    def _route_chunk_call(self, chunk, query, key, value, g, beta, *args, initial_state=None, **kwargs):
+        """Runs in place of the model's chunked delta-rule kernel during this cache's forwards (in this context):
+        notes the arguments replay does not know, and during a verify runs the token-by-token recurrence instead,
+        recording the pre-verify state and the inputs for `_replay`."""
+        unreplayable = [f"{len(args)} more positional arguments"] if args else []
+        unreplayable += [name for name in kwargs if name not in REPLAYABLE_KEYWORDS]
+        if kwargs.get("cu_seqlens") is not None:
+            unreplayable.append("cu_seqlens (packed sequences)")
+        self._verify["unreplayable"].update(unreplayable)
+        if unreplayable or initial_state is None or not self._verify["replaying"]:
+            return chunk(query, key, value, g, beta, *args, initial_state=initial_state, **kwargs)
+        module, _, recurrent_name = self.kernels
+        kwargs = _recurrent_kwargs(kwargs)
+        self._verify["calls"].append(
+            _DeltaRuleCall(initial_state, initial_state.clone(), (query, key, value, g, beta), kwargs)
+        )
+        return getattr(module, recurrent_name)(query, key, value, g=g, beta=beta, initial_state=initial_state, **kwargs)
+
+    def _check_replayable(self, verify: bool) -> None:
+        """After a forward in replay mode: fall back to rerun (rollback="auto", at the prefill) or raise if the
+        kernel was called with arguments replay does not know, or if a verify bypassed the kernel."""
+        unreplayable = sorted(self._verify["unreplayable"])
+        if unreplayable and self._fall_back_to_rerun and not verify:
+            self.rollback = "rerun"  # before any verify: rerun restores the state with the model's own kernels
+        elif unreplayable:
+            raise ValueError(
+                f"DSpark: replay cannot restore the recurrent state of {type(self.target).__name__}: its "
+                f"`{self.kernels[1]}` is called with {unreplayable}, whose effect replay does not know (it masks "
+                "rejected tokens with g = 0, beta = 0, an identity step in transformers' convention; known keywords: "
+                f"{sorted(REPLAYABLE_KEYWORDS)}). Pass rollback='rerun'."
+            )
+        elif verify and len(self._verify["calls"]) != len(self.linear_layers):
+            raise RuntimeError(
+                f"DSpark: {len(self._verify['calls'])} of the target's {len(self.linear_layers)} linear-attention "
+                f"layers called `{self.kernels[1]}` during the verify, so their state cannot be replayed (was the "
+                "kernel replaced, or the model compiled?). Pass rollback='rerun'."
+            )
 
     def commit(self, num_committed: torch.Tensor) -> None:
         """Keep the first `num_committed[b]` tokens of the last verify forward in row b; forget the rest."""
@@ -442,8 +562,8 @@ class TargetCache:
     def _replay(self, num_committed: torch.Tensor) -> None:
         """Recompute every recorded layer's state over each row's committed tokens (one recurrence call per
         device, all layers concatenated along heads)."""
-        _, _, recurrent_name = self.kernels
-        recurrent = getattr(self.kernels[0], recurrent_name)
+        module, _, recurrent_name = self.kernels
+        recurrent = getattr(module, recurrent_name)
         calls_by_device: dict[torch.device, list[_DeltaRuleCall]] = {}
         for call in self._verify["calls"]:
             calls_by_device.setdefault(call.state.device, []).append(call)
@@ -504,6 +624,31 @@ def _delta_rule_kernels(target: nn.Module):
         if hasattr(module, chunk_name) and hasattr(module, recurrent_name):
             return module, chunk_name, recurrent_name
     return None
+
+
+def _kernel_route(module, name: str) -> contextvars.ContextVar:
+    """The ContextVar through which calls of `module.<name>` (a chunked delta-rule kernel) are routed.
+
+    Installs, once per module and process, a wrapper that calls the interceptor the variable holds in the calling
+    context, `interceptor(kernel, *args, **kwargs)`, or the kernel itself when it holds none (every call outside a
+    DSpark forward: behaviour unchanged). A wrapper installed by another copy of this file is found (also under
+    other `functools.wraps` wrappers) and shared.
+    """
+    with _INSTALL_LOCK:
+        kernel = getattr(module, name)
+        installed = inspect.unwrap(kernel, stop=lambda function: hasattr(function, _KERNEL_ROUTE))
+        if hasattr(installed, _KERNEL_ROUTE):
+            return getattr(installed, _KERNEL_ROUTE)
+        route = contextvars.ContextVar(f"dspark_{name}", default=None)
+
+        @functools.wraps(kernel)
+        def routed_kernel(*args, **kwargs):
+            interceptor = route.get()
+            return kernel(*args, **kwargs) if interceptor is None else interceptor(kernel, *args, **kwargs)
+
+        setattr(routed_kernel, _KERNEL_ROUTE, route)
+        setattr(module, name, routed_kernel)
+        return route
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -589,6 +734,13 @@ def dspark_generate(
         raise ValueError(f"DSpark: unknown truncation {truncation!r}; choose one of {TRUNCATION_MODES}.")
     if truncation != "full" and draft.confidence_head is None:
         raise ValueError(f"DSpark: truncation={truncation!r} needs the draft's confidence head; use truncation='full'.")
+    if isinstance(confidence_threshold, bool) or not isinstance(confidence_threshold, (int, float)) or not (
+        0 < confidence_threshold <= 1
+    ):
+        raise ValueError(
+            f"DSpark: confidence_threshold must be in (0, 1] (the survival c_1 * ... * c_k a draft needs to be "
+            f"verified), got {confidence_threshold!r}; the default is 0.5."
+        )
     if streamer is not None and setup.input_ids.shape[0] > 1:
         raise ValueError("DSpark: streamers take one sequence; stream with batch size 1 or pass streamer=None.")
     prompt_length = int(setup.attention_mask.sum(-1).max())
@@ -640,11 +792,6 @@ class _GenerationSetup:
 
         input_ids, _, _ = target._prepare_model_inputs(input_ids, generation_config.bos_token_id, {})
         batch_size, prompt_length = input_ids.shape
-        if prefix_allowed_tokens_fn is not None and batch_size > 1:
-            raise ValueError(
-                f"DSpark: prefix_allowed_tokens_fn with a batch of {batch_size} rows is not supported (finished rows "
-                "leave the batch, so its batch_id would point at other rows); decode the rows one at a time."
-            )
         target._prepare_special_tokens(generation_config, attention_mask is not None, input_ids.device, batch_size)
         if attention_mask is None:
             attention_mask = target._prepare_attention_mask_for_generation(input_ids, generation_config, {})
@@ -689,8 +836,47 @@ def _check_generation_config(generation_config) -> None:
         raise ValueError("DSpark: classifier-free guidance (guidance_scale) is not supported; remove guidance_scale.")
 
 
+# The logits processors and stopping criteria of transformers known to act row by row: row b of what they return
+# depends only on row b of (input_ids, scores), on the sequence length, and on row b of the attributes named here
+# (per-row state, a tensor with one entry per batch row when set). They may be called on any group of rows of equal
+# length, with those attributes sliced to the group (`_rows_of`).
+ROW_WISE = {
+    **dict.fromkeys((
+        MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper,
+        TopKLogitsWarper, TopHLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper, EpsilonLogitsWarper,
+        EtaLogitsWarper, NoRepeatNGramLogitsProcessor, SequenceBiasLogitsProcessor, NoBadWordsLogitsProcessor,
+        ForcedBOSTokenLogitsProcessor, ForcedEOSTokenLogitsProcessor, InfNanRemoveLogitsProcessor,
+        ExponentialDecayLengthPenalty, LogitNormalization, SuppressTokensAtBeginLogitsProcessor,
+        SuppressTokensLogitsProcessor, MaxLengthCriteria, MaxTimeCriteria, StopStringCriteria, EosTokenCriteria,
+    ), ()),
+    RepetitionPenaltyLogitsProcessor: ("prompt_ignore_length",),  # [B] each prompt's left padding
+    EncoderRepetitionPenaltyLogitsProcessor: ("encoder_input_ids",),  # [B, P] the prompts
+}
+
+
+def _rows_of(function, rows: torch.Tensor):
+    """A processor or criterion of `ROW_WISE` for the batch rows `rows`: a copy with its per-row attributes sliced
+    to them, or `function` itself when it holds no per-row state (every other function is returned unchanged)."""
+    names = ROW_WISE.get(type(function), ())
+    per_row = {name: getattr(function, name) for name in names if isinstance(getattr(function, name), torch.Tensor)}
+    if not per_row:
+        return function
+    view = copy.copy(function)
+    for name, value in per_row.items():
+        setattr(view, name, value[rows.to(value.device)])
+    return view
+
+
 class _DSparkDecoder:
-    """The DSpark decoding loop over a batch; rows that finish leave the batch."""
+    """The DSpark decoding loop over a batch.
+
+    Logits processors and stopping criteria see each row as `generate` shows it at that step. Rows commit different
+    numbers of tokens per round, so the rows of equal length are called together, which is exact for the functions
+    of `ROW_WISE`. If any other processor or criterion is present (`whole_batch`), every row commits the batch
+    minimum (the rows stay step-aligned) and each call sees all B rows at one step. Finished rows stay in the batch,
+    fed pad tokens as `generate` feeds them, when a whole-batch call or the returned scores/logits need them;
+    otherwise they leave the batch.
+    """
 
     def __init__(self, target, draft, setup: _GenerationSetup, truncation, threshold, sps, rollback, streamer):
         self.target, self.draft, self.setup = target, draft, setup
@@ -703,21 +889,25 @@ class _DSparkDecoder:
         # As `generate`: with an EOS criterion, a finished row is padded; without one it keeps generating
         # until every row has stopped.
         self.pad_finished = any(hasattr(criterion, "eos_token_id") for criterion in self.criteria)
+        self.want_scores = config.return_dict_in_generate and config.output_scores
+        self.want_logits = config.return_dict_in_generate and config.output_logits
+        self.whole_batch = not all(type(function) in ROW_WISE for function in [*self.processors, *self.criteria])
+        self.keep_finished = self.whole_batch or self.want_scores or self.want_logits
         self.device = setup.input_ids.device
         self.draft_device = next(draft.parameters()).device
+        self.devices = _devices(target, draft)
         self.embed_tokens, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
 
         batch_size, self.prompt_length = setup.input_ids.shape
         self.max_new_tokens = config.max_length - self.prompt_length
         pad = config._pad_token_tensor
-        self.sequences = setup.input_ids.new_full((batch_size, config.max_length), 0 if pad is None else int(pad))
+        self.pad_token_id = 0 if pad is None else int(pad)
+        self.sequences = setup.input_ids.new_full((batch_size, config.max_length), self.pad_token_id)
         self.sequences[:, : self.prompt_length] = setup.input_ids
         self.num_generated = [0] * batch_size
         self.stop_step: list[int | None] = [None] * batch_size
         self.num_running = batch_size  # rows whose stopping criteria have not fired yet
         self.last_stop_step: int | None = None  # the step at which the last row stopped
-        self.want_scores = config.return_dict_in_generate and config.output_scores
-        self.want_logits = config.return_dict_in_generate and config.output_logits
         self.row_scores = [[] for _ in range(batch_size)]
         self.row_logits = [[] for _ in range(batch_size)]
 
@@ -727,12 +917,18 @@ class _DSparkDecoder:
                                  position_tried=[0] * draft.config.block_size,
                                  position_accepted=[0] * draft.config.block_size)
 
+    @property
+    def step_aligned(self) -> bool:
+        """Whether every row commits the same number of tokens per round (the batch minimum)."""
+        return self.whole_batch or self.target_cache.uniform_commit
+
     # ------------------------------------------------------------------ loop
     def run(self):
         if self.streamer is not None:
             self.streamer.put(self.setup.input_ids.cpu())
         with TargetFeatureCapture(self.target, self.draft.config.target_layer_ids, self.draft_device) as capture:
             rows, anchors, positions = self._prefill(capture)
+            self.stats.rollback = self.target_cache.rollback  # "auto" may fall back to "rerun" at the prefill
             while len(rows):
                 rows, anchors, positions = self._round(capture, rows, anchors, positions)
         if self.streamer is not None:
@@ -751,8 +947,7 @@ class _DSparkDecoder:
         scores = self.processors(input_ids, logits.clone()) if len(self.processors) else logits
         tokens = self._sample(scores)
         rows = torch.arange(input_ids.shape[0], device=self.device)
-        for row, token in enumerate(tokens.tolist()):
-            self._emit(row, [token], scores[row : row + 1], logits[row : row + 1])
+        self._emit(rows, tokens[:, None], torch.ones_like(tokens), scores[:, None], logits[:, None])
         self.stats.time_prefill = time.perf_counter() - start
         return self._keep_unfinished(rows, tokens, prompt_mask.sum(-1))
 
@@ -761,6 +956,7 @@ class _DSparkDecoder:
         stats = self.stats
         budget = torch.tensor([self._budget(row) for row in rows.tolist()], device=self.device)  # tokens left
         max_drafts = (budget - 1).clamp(min=0, max=self.draft.config.block_size)
+        padded = torch.tensor([self._padded(row) for row in rows.tolist()], device=self.device)  # [B] fed pads
 
         start = time.perf_counter()
         draft_tokens = draft_logits = None
@@ -769,75 +965,87 @@ class _DSparkDecoder:
             block = self._draft(anchors, positions)
             confidences = None if block.confidences is None else block.confidences.to(self.device)
             num_drafts = choose_num_drafts(confidences, max_drafts, self.truncation, self.threshold, self.sps)
-            draft_tokens, draft_logits = block.tokens.to(self.device), block.logits
+            draft_tokens = block.tokens.to(self.device).masked_fill(padded[:, None], self.pad_token_id)
+            draft_logits = block.logits
         num_verified = int(num_drafts.max())
-        _synchronize(self.draft_device)
+        _synchronize(self.devices)
         stats.time_draft += time.perf_counter() - start
 
         start = time.perf_counter()
-        verify_ids = torch.cat([anchors[:, None], draft_tokens[:, :num_verified]], dim=-1) if num_verified else anchors[:, None]
+        verify_ids = anchors[:, None]  # [B, L + 1]: the anchor and the drafts to verify
+        if num_verified:
+            verify_ids = torch.cat([verify_ids, draft_tokens[:, :num_verified]], dim=-1)
         verify_positions = positions[:, None] + torch.arange(num_verified + 1, device=self.device)
         logits = self.target_cache.forward(verify_ids, verify_positions, num_verified + 1, verify=True).float()
         features = capture.features()  # [B, L + 1, n * H] on the draft's device
         scores = self._process(rows, verify_ids, logits)  # [B, L + 1, V]
-        num_accepted, next_tokens = self._verify(scores, verify_ids[:, 1:], draft_logits, num_drafts, num_verified)
+        num_accepted, next_tokens = self._verify(scores, verify_ids[:, 1:], draft_logits, num_drafts, num_verified,
+                                                 padded)
         stats.time_verify += time.perf_counter() - start
-        self._count(num_drafts, num_accepted, num_verified)
+        self._count(num_drafts[~padded], num_accepted[~padded], num_verified)
+
+        index = torch.arange(len(rows), device=self.device)
+        emitted = torch.cat([verify_ids[:, 1:], next_tokens[:, None]], dim=-1)  # drafts, then the last slot below
+        emitted[index, num_accepted] = next_tokens
+        counts = self._emit(rows, emitted, num_accepted + 1, scores, logits)  # [B] tokens each row commits
 
         start = time.perf_counter()
-        self.target_cache.commit(num_accepted + 1)
-        _synchronize(self.device)
+        self.target_cache.commit(counts)
+        _synchronize(self.devices)
         stats.time_rollback += time.perf_counter() - start
 
         start = time.perf_counter()
-        committed = torch.arange(num_verified + 1, device=self.device)[None, :] <= num_accepted[:, None]
+        committed = torch.arange(num_verified + 1, device=self.device)[None, :] < counts[:, None]
         self.draft.append_context(
             self.context, features, verify_positions.to(self.draft_device), committed.to(self.draft_device)
         )
         stats.time_draft += time.perf_counter() - start
-
-        emitted = torch.cat([verify_ids[:, 1:], next_tokens[:, None]], dim=-1)  # drafts, then the last slot below
-        emitted[torch.arange(len(rows), device=self.device), num_accepted] = next_tokens
-        for index, (row, count) in enumerate(zip(rows.tolist(), (num_accepted + 1).tolist())):
-            self._emit(row, emitted[index, :count].tolist(), scores[index, :count],
-                       logits[index, :count] if self.want_logits else None)
-        return self._keep_unfinished(rows, next_tokens, positions + num_accepted + 1)
+        return self._keep_unfinished(rows, emitted[index, counts - 1], positions + counts)
 
     def _draft(self, anchors: torch.Tensor, positions: torch.Tensor):
         """Draft one block per row (tokens, the logits q they were drawn from, confidences)."""
         draft_anchors = anchors.to(self.draft_device)
-        embeds, block_positions = self.draft.block_inputs(draft_anchors, positions.to(self.draft_device), self.embed_tokens)
+        draft_positions = positions.to(self.draft_device)
+        embeds, block_positions = self.draft.block_inputs(draft_anchors, draft_positions, self.embed_tokens)
         hidden = self.draft(embeds.to(self.draft_device), block_positions, self.context)
         seeds = _random_seeds(len(anchors), self.draft_device) if self.do_sample else None
         return self.draft.draft_block(hidden, draft_anchors, self.lm_head, self.temperature, seeds)
 
     def _process(self, rows: torch.Tensor, verify_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The target's logits processors applied position by position, each row's sequence extended by the
-        verified drafts before that position (as `generate` would have seen it). Rows of equal length are
-        processed together."""
+        verified drafts before that position (as `generate` would have seen it)."""
         if not len(self.processors):
             return logits
         scores = logits.clone()
-        lengths = torch.tensor([self.prompt_length + self.num_generated[row] for row in rows.tolist()])
-        for length in lengths.unique().tolist():
-            index = (lengths == length).nonzero()[:, 0].to(self.device)
+        for index, length in self._groups(rows):
+            processors = LogitsProcessorList(_rows_of(processor, rows[index]) for processor in self.processors)
             sequences = torch.cat([self.sequences[rows[index], :length], verify_ids[index, 1:]], dim=-1)
             for k in range(verify_ids.shape[1]):
-                scores[index, k] = self.processors(sequences[:, : length + k], scores[index, k])
+                scores[index, k] = processors(sequences[:, : length + k], scores[index, k])
         return scores
 
-    def _verify(self, scores, drafts, draft_logits, num_drafts, num_verified):
-        """(accepted drafts [B], next token [B]) by DSPARK.md step 8; rerun rollback commits the batch minimum."""
+    def _groups(self, rows: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+        """(batch positions, sequence length) per length among `rows`: processors and criteria are called once per
+        group. Step-aligned rows form one group, the whole batch while finished rows stay in it."""
+        lengths = torch.tensor([self.prompt_length + self.num_generated[row] for row in rows.tolist()])
+        return [((lengths == length).nonzero()[:, 0].to(self.device), length) for length in lengths.unique().tolist()]
+
+    def _verify(self, scores, drafts, draft_logits, num_drafts, num_verified, padded):
+        """(accepted drafts [B], next token [B]) by DSPARK.md step 8. `padded` rows accept every verified pad and
+        take a pad next; step-aligned rows all commit the minimum of the other rows."""
         if num_verified == 0:
             next_tokens = self._sample(scores[:, 0])
-            return torch.zeros_like(next_tokens), next_tokens
+            return torch.zeros_like(next_tokens), next_tokens.masked_fill(padded, self.pad_token_id)
         q_logits = draft_logits[:, :num_verified].to(self.device) if self.do_sample else None
         seeds = _random_seeds(len(drafts), self.device) if self.do_sample else None
         num_accepted, next_tokens = verify_block(scores, drafts, q_logits, num_drafts, seeds)
-        if self.target_cache.uniform_commit:
-            common = num_accepted.min()
+        num_accepted = num_accepted.masked_fill(padded, num_verified)
+        next_tokens = next_tokens.masked_fill(padded, self.pad_token_id)
+        if self.step_aligned:
+            common = num_accepted[~padded].min()  # a step-aligned batch always has an unfinished row
             rows = torch.arange(len(drafts), device=drafts.device)
-            next_tokens = torch.where(num_accepted > common, drafts[rows, common.clamp(max=num_verified - 1)], next_tokens)
+            last_agreed = drafts[rows, common.clamp(max=num_verified - 1)]  # the target's own token there
+            next_tokens = torch.where(num_accepted > common, last_agreed, next_tokens)
             num_accepted = torch.full_like(num_accepted, int(common))
         return num_accepted, next_tokens
 
@@ -858,40 +1066,60 @@ class _DSparkDecoder:
             stats.position_accepted[k] += int((num_accepted > k).sum())
 
     # ------------------------------------------------------------------ rows
-    def _sequence(self, row: int) -> torch.Tensor:
-        return self.sequences[row, : self.prompt_length + self.num_generated[row]]
-
-    def _emit(self, row: int, tokens: list[int], scores: torch.Tensor, logits: torch.Tensor | None) -> None:
-        """Append tokens to a row one at a time, checking the stopping criteria after each as `generate` does."""
-        for index, token in enumerate(tokens):
-            length = self.prompt_length + self.num_generated[row]
-            self.sequences[row, length] = token
-            self.num_generated[row] += 1
-            self.stats.generated_tokens += 1
-            if self.want_scores:
-                self.row_scores[row].append(scores[index])
-            if self.want_logits:
-                self.row_logits[row].append(logits[index])
-            if self.stop_step[row] is None and bool(self.criteria(self.sequences[row : row + 1, : length + 1], None)[0]):
-                self.stop_step[row] = self.num_generated[row]
-                self.num_running -= 1
-                if self.num_running == 0:
-                    self.last_stop_step = max(self.stop_step)
-            if self._finished(row):
-                tokens = tokens[: index + 1]
+    def _emit(self, rows, tokens, counts, scores, logits) -> torch.Tensor:
+        """Append tokens[i, :counts[i]] to row rows[i] one step at a time (tokens [R, C], scores and logits
+        [R, C, V]), calling the stopping criteria after each step as `generate` does. Returns the tokens each row
+        commits [R]: `counts`, except that a row which stops and stays in the batch (fed pads from then on) ends its
+        round at that step, and so does every row when step-aligned."""
+        row_ids, token_ids, counts = rows.tolist(), tokens.tolist(), counts.tolist()
+        taken = [0] * len(row_ids)
+        for step in range(max(counts)):
+            active = [i for i, row in enumerate(row_ids) if step < counts[i] and not self._finished(row)]
+            if not active:
                 break
+            for i in active:
+                row = row_ids[i]
+                if not self._padded(row):
+                    self.stats.generated_tokens += 1
+                self.sequences[row, self.prompt_length + self.num_generated[row]] = token_ids[i][step]
+                self.num_generated[row] += 1
+                taken[i] += 1
+                if self.want_scores:
+                    self.row_scores[row].append(scores[i, step])
+                if self.want_logits:
+                    self.row_logits[row].append(logits[i, step])
+            stopped = []
+            active = torch.tensor(active, device=self.device)
+            for index, length in self._groups(rows[active]):
+                group = active[index]
+                criteria = StoppingCriteriaList(_rows_of(criterion, rows[group]) for criterion in self.criteria)
+                done = criteria(self.sequences[rows[group], :length], scores[group, step]).tolist()
+                stopped += [i for i, stop in zip(group.tolist(), done) if stop and self.stop_step[row_ids[i]] is None]
+            for i in stopped:
+                self.stop_step[row_ids[i]] = self.num_generated[row_ids[i]]
+            self.num_running -= len(stopped)
+            if stopped and self.num_running == 0:
+                self.last_stop_step = max(self.stop_step)
+            if stopped and self.keep_finished and self.pad_finished:
+                ends = range(len(counts)) if self.step_aligned else stopped
+                for i in ends:
+                    counts[i] = min(counts[i], step + 1)
         if self.streamer is not None:
-            self.streamer.put(torch.tensor([tokens]))
+            self.streamer.put(tokens[:1, : taken[0]].cpu())  # streaming takes batch size 1
+        return torch.tensor(counts, device=self.device)
 
     def _budget(self, row: int) -> int:
-        """Tokens row may still emit: up to max_new_tokens, or (no EOS criterion) up to the last row's stop."""
-        limit = self.max_new_tokens
-        if not self.pad_finished and self.last_stop_step is not None:
-            limit = self.last_stop_step
+        """Tokens row may still emit: up to max_new_tokens or, once every row has stopped, up to the last stop
+        (rows that go on after their own stop: without an EOS criterion, or padded while they stay in the batch)."""
+        limit = self.max_new_tokens if self.last_stop_step is None else self.last_stop_step
         return limit - self.num_generated[row]
 
+    def _padded(self, row: int) -> bool:
+        """Whether the row has stopped and takes pad tokens from now on (as `generate` pads a finished row)."""
+        return self.pad_finished and self.stop_step[row] is not None
+
     def _finished(self, row: int) -> bool:
-        return (self.pad_finished and self.stop_step[row] is not None) or self._budget(row) <= 0
+        return self._budget(row) <= 0 or (self._padded(row) and not self.keep_finished)
 
     def _keep_unfinished(self, rows, anchors, positions):
         keep = torch.tensor([not self._finished(row) for row in rows.tolist()], device=self.device)
@@ -904,25 +1132,21 @@ class _DSparkDecoder:
 
     def _output(self):
         config = self.setup.generation_config
-        length = self.prompt_length + (self.last_stop_step if not self.pad_finished else max(self.num_generated))
+        length = self.prompt_length + self.last_stop_step  # every row stops, at max_length at the latest
         sequences = self.sequences[:, :length]
         if not config.return_dict_in_generate:
             return sequences
         return GenerateDecoderOnlyOutput(
             sequences=sequences,
-            scores=_steps(self.row_scores, length - self.prompt_length) if self.want_scores else None,
-            logits=_steps(self.row_logits, length - self.prompt_length) if self.want_logits else None,
-            past_key_values=None,  # rows leave the cache as they finish, and holes stay in it: not reusable
+            scores=_steps(self.row_scores, self.last_stop_step) if self.want_scores else None,
+            logits=_steps(self.row_logits, self.last_stop_step) if self.want_logits else None,
+            past_key_values=None,  # rows may leave the cache as they finish, and holes stay in it: not reusable
         )
 
 
 def _steps(per_row: list[list[torch.Tensor]], num_steps: int) -> tuple[torch.Tensor, ...]:
-    """Per-row lists of [V] tensors -> a tuple of num_steps [B, V] tensors (zeros after a row finished)."""
-    template = next(values[0] for values in per_row if values)
-    return tuple(
-        torch.stack([values[step] if step < len(values) else torch.zeros_like(template) for values in per_row])
-        for step in range(num_steps)
-    )
+    """Per-row lists of at least num_steps [V] tensors -> a tuple of num_steps [B, V] tensors."""
+    return tuple(torch.stack([values[step] for values in per_row]) for step in range(num_steps))
 
 
 def _random_seeds(batch_size: int, device: torch.device) -> torch.Tensor:
@@ -938,9 +1162,16 @@ def _input_device(target: nn.Module) -> torch.device:
     return torch.device(device) if device is not None else target.device
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def _devices(*models: nn.Module) -> set[torch.device]:
+    """Every device holding a parameter or buffer of `models` (a target split by accelerate spans several)."""
+    return {tensor.device for model in models for tensor in [*model.parameters(), *model.buffers()]}
+
+
+def _synchronize(devices: set[torch.device]) -> None:
+    """Wait for the queued work of every CUDA device in `devices`, so that wall-clock stage timings are complete."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------------------------------- routing

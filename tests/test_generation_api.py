@@ -1,7 +1,8 @@
 """The user-facing surface of DSpark generation: the `generate` route, the explicit function, errors, streamers,
-stopping criteria, the SPS profiler and accelerate offloading."""
+stopping criteria, the SPS curve and its profiler, stage timings and accelerate offloading."""
 
 import inspect
+import re
 import sys
 
 import pytest
@@ -158,13 +159,14 @@ def _draft_with(**overrides) -> DSparkDraftModel:
         (lambda: random_draft("qwen3"), {"output_hidden_states": True}, "output_hidden_states"),
         (lambda: random_draft("qwen3"), {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7,
                                          "streamer": BaseStreamer()}, "streamers take one sequence"),
-        (lambda: random_draft("qwen3"), {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7,
-                                         "prefix_allowed_tokens_fn": lambda batch_id, ids: [5]},
-         "prefix_allowed_tokens_fn with a batch of 2 rows"),
+        (lambda: random_draft("qwen3"), {"confidence_threshold": 0.0}, r"confidence_threshold must be in \(0, 1\]"),
+        (lambda: random_draft("qwen3"), {"confidence_threshold": 1.5}, r"confidence_threshold must be in \(0, 1\]"),
+        (lambda: random_draft("qwen3"), {"confidence_threshold": float("nan")}, r"\(0, 1\].*got nan"),
         (lambda: random_draft("qwen3"), {"target": falcon_h1_target}, r"FalconH1ForCausalLM keeps linear attention"),
     ],
     ids=["hidden", "vocab", "layers", "beams", "return_sequences", "truncation", "no_confidence_head",
-         "hidden_states", "streamer_batch", "prefix_fn_batch", "hybrid_cache_layers"],
+         "hidden_states", "streamer_batch", "threshold_zero", "threshold_above_one", "threshold_nan",
+         "hybrid_cache_layers"],
 )
 def test_clear_errors_before_any_target_forward(make_draft, kwargs, message):
     kwargs = dict(kwargs)
@@ -280,6 +282,50 @@ def test_schedule_stops_at_the_first_throughput_drop():
     assert generation_utils.choose_num_drafts(confidences, max_drafts, "schedule", sps=steep).tolist() == [2]
     assert generation_utils.choose_num_drafts(confidences, max_drafts, "threshold", 0.5).tolist() == [2]
     assert generation_utils.choose_num_drafts(confidences, torch.tensor([1]), "full").tolist() == [1]
+
+
+@pytest.mark.parametrize(
+    "points, message",
+    [({}, "at least one point"), ({0: 10.0}, "token count 0 must be a positive int"),
+     ({2.5: 10.0}, "token count 2.5 must be a positive int"), ({8: -1.0}, "steps/s -1.0 at 8 tokens"),
+     ({8: float("nan")}, "steps/s nan at 8 tokens"), ({8: float("inf")}, "steps/s inf at 8 tokens")],
+    ids=["empty", "zero_tokens", "fractional_tokens", "negative_sps", "nan_sps", "infinite_sps"],
+)
+def test_sps_curve_refuses_invalid_points(points, message):
+    with pytest.raises(ValueError, match=message):
+        SpsCurve(points)
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"points": [8, 100]}', '{"points": {"8": "fast"}}',
+                                  '{"points": {"8": -3}}', '{"curve": {}}'])
+def test_a_corrupt_sps_file_is_named_with_the_fix(tmp_path, text):
+    path = tmp_path / "sps.json"
+    path.write_text(text)
+    message = f"SPS curve file {re.escape(str(path))} is corrupt.*Delete it"
+    with pytest.raises(ValueError, match=message):
+        SpsCurve.load(path)
+    with pytest.raises(ValueError, match=message):
+        dspark_generate(qwen3_target(), fitted_draft("qwen3"), _prompt(), max_new_tokens=2, truncation="schedule",
+                        sps_curve=path)
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def test_stage_timings_wait_for_every_device_of_the_target_and_the_draft(monkeypatch):
+    """A target split over several GPUs (and a draft on another) queues work on each: the per-stage timings must
+    wait for all of them, not only the input device."""
+    split = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2, device="meta"))
+    assert generation_utils._devices(split) == {torch.device("cpu"), torch.device("meta")}
+
+    synchronized = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronized.append)
+    generation_utils._synchronize({torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")})
+    assert sorted(synchronized, key=str) == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+    waited_for = []
+    monkeypatch.setattr(generation_utils, "_synchronize", waited_for.append)
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    dspark_generate(target, draft, _prompt(), max_new_tokens=10, do_sample=False)
+    assert waited_for and all(devices == generation_utils._devices(target, draft) for devices in waited_for)
 
 
 # ------------------------------------------------------------------------------------------ accelerate

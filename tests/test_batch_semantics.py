@@ -1,0 +1,132 @@
+"""In a batch, logits processors and stopping criteria see every row as plain `generate` shows it at that step, and
+rows that finished early are scored as `generate` scores them, on left-padded batches of the tiny float32 targets.
+
+Rows accept different numbers of drafts per round. Processors and criteria known to act row by row are called on
+the rows of equal length; any other one makes the rows step-aligned and is called on the whole batch.
+"""
+
+import pytest
+import torch
+from tiny_models import EOS, PAD, TARGETS, agreeing_prompts, fitted_draft, left_pad, random_prompts
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+
+from dspark.generation_utils import dspark_generate
+
+MAX_NEW_TOKENS = 16
+
+
+def _batch(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three left-padded prompts: two the fitted draft agrees with (long accepts), one random (short accepts)."""
+    return left_pad(agreeing_prompts(name, 2, seed=8) + random_prompts(1, 3, 5, seed=8))
+
+
+def _row_tokens(target, input_ids, attention_mask, steps: list[int], **kwargs) -> list[int]:
+    """Per row b, the token plain greedy decoding (no EOS) generates at new-token index steps[b]."""
+    plain = target.generate(input_ids, attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                            eos_token_id=None, **kwargs)
+    return [int(plain[row, input_ids.shape[1] + step]) for row, step in enumerate(steps)]
+
+
+class StopAtRowToken(StoppingCriteria):
+    """Row b stops once it generates `tokens[b]`: a criterion with one entry per batch row. Records its calls."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = torch.tensor(tokens)
+        self.calls = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls.append(input_ids.clone())
+        return input_ids[:, -1] == self.tokens
+
+
+class BanRowToken(LogitsProcessor):
+    """Row b may never generate `tokens[b]`: a processor with one entry per batch row. Records the batch sizes."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = torch.tensor(tokens)
+        self.batch_sizes = set()
+
+    def __call__(self, input_ids, scores):
+        self.batch_sizes.add(input_ids.shape[0])
+        return scores.scatter(1, self.tokens[:, None], float("-inf"))
+
+
+def test_a_per_row_stopping_criterion_is_called_exactly_as_plain_generate_calls_it():
+    """Each row stops at its own token (new tokens 6, 7 and 8): the criterion gets the whole batch, finished rows
+    padded, once per step, the same calls as from plain `generate`."""
+    target, draft = TARGETS["qwen3"](), fitted_draft("qwen3")
+    input_ids, attention_mask = _batch("qwen3")
+    stop_tokens = _row_tokens(target, input_ids, attention_mask, steps=[5, 6, 7])
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, eos_token_id=EOS)
+
+    plain_criterion, dspark_criterion = StopAtRowToken(stop_tokens), StopAtRowToken(stop_tokens)
+    expected = target.generate(input_ids, **kwargs, stopping_criteria=StoppingCriteriaList([plain_criterion]))
+    actual = dspark_generate(target, draft, input_ids, **kwargs, stopping_criteria=StoppingCriteriaList([dspark_criterion]))
+
+    assert torch.equal(actual, expected)
+    new_tokens = (expected[:, input_ids.shape[1]:] != PAD).sum(-1)
+    assert len(set(new_tokens.tolist())) == 3  # the rows stop at three different steps
+    assert len(dspark_criterion.calls) == len(plain_criterion.calls)
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(dspark_criterion.calls, plain_criterion.calls))
+
+
+@pytest.mark.parametrize(
+    "processor",
+    ["repetition_penalty", "encoder_repetition_penalty", "per_row_logits_processor", "prefix_allowed_tokens_fn"],
+)
+def test_processors_with_per_row_state_see_each_row_as_plain_generate_does(processor):
+    """Stock processors holding per-row state (the prompts' padding, the prompts), a user processor with one entry
+    per row, and `prefix_allowed_tokens_fn` (called with each row's batch index) give plain `generate`'s tokens while
+    rows accept different counts and finish at different steps."""
+    target, draft = TARGETS["qwen3"](), fitted_draft("qwen3")
+    input_ids, attention_mask = _batch("qwen3")
+    banned = _row_tokens(target, input_ids, attention_mask, steps=[2, 3, 4])
+    options = {
+        "repetition_penalty": lambda: {"repetition_penalty": 1.3},
+        "encoder_repetition_penalty": lambda: {"encoder_repetition_penalty": 1.5},
+        "per_row_logits_processor": lambda: {"logits_processor": LogitsProcessorList([BanRowToken(banned)])},
+        # Row b draws from its own third of the vocabulary (and EOS).
+        "prefix_allowed_tokens_fn": lambda: {
+            "prefix_allowed_tokens_fn": lambda batch_id, ids: [EOS, *range(4 + 160 * batch_id, 164 + 160 * batch_id)]
+        },
+    }[processor]
+    eos_token_id = _row_tokens(target, input_ids, attention_mask, steps=[4, 7, 10], **options())
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                  eos_token_id=eos_token_id)
+
+    expected = target.generate(input_ids, **kwargs, **options())
+    dspark_options = options()
+    actual = dspark_generate(target, draft, input_ids, **kwargs, **dspark_options)
+
+    assert torch.equal(actual, expected)
+    assert (actual[:, -1] == PAD).any()  # a row finished early
+    if processor == "per_row_logits_processor":
+        assert dspark_options["logits_processor"][0].batch_sizes == {3}
+
+
+@pytest.mark.parametrize(
+    "name, processors",
+    [("qwen3", "stock"), ("qwen3", "per_row"), ("kimi_linear", "per_row")],
+    ids=["dense_row_wise", "dense_whole_batch", "stateful_whole_batch"],
+)
+def test_scores_and_logits_of_finished_rows_equal_plain_generate(name, processors):
+    """`generate` keeps computing finished rows: their scores are the processors' output for the sequence extended
+    by pad tokens. With ragged rows (stock processors) and step-aligned ones (a per-row user processor)."""
+    target, draft = TARGETS[name](), fitted_draft(name)
+    input_ids, attention_mask = _batch(name)
+    extra = lambda: (  # noqa: E731
+        {"no_repeat_ngram_size": 2} if processors == "stock"
+        else {"logits_processor": LogitsProcessorList([BanRowToken([7, 8, 9])])}
+    )
+    eos_token_id = _row_tokens(target, input_ids, attention_mask, steps=[3, 6, 9], **extra())
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
+                  eos_token_id=eos_token_id, return_dict_in_generate=True, output_scores=True, output_logits=True)
+
+    expected = target.generate(input_ids, **kwargs, **extra())
+    actual = dspark_generate(target, draft, input_ids, **kwargs, **extra())
+
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert (actual.sequences[:, -1] == PAD).any()  # a row finished early
+    assert len(actual.scores) == len(expected.scores) and len(actual.logits) == len(expected.logits)
+    for ours, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
