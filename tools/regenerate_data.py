@@ -3,8 +3,9 @@
 
 A draft learns to predict the TARGET, so (as SpecForge does) every training prompt is answered by the
 target, greedily (--temperature 0, the default) or sampled (--temperature > 0, plain softmax sampling:
-no top-k / top-p). Prompts are the `pair` records of tools/build_corpus.py (`{"kind": "pair", "prompt":
-...}`), rendered with tools/chat_format.py. Output, one JSON line per prompt:
+no top-k / top-p). Prompts are the records with a `prompt` field of a JSON-lines file: the `pair` records
+of tools/build_corpus.py or the prompt mix of tools/build_prompts.py, rendered as one user turn with the
+target's chat template (tools/common.chat_prompt_ids). Output, one JSON line per prompt:
 
     {"input_ids": [prompt ..., response ..., <|eos|>], "prompt_len": int, "source": str}
 
@@ -39,10 +40,10 @@ from tools.common import (
 
 
 def corpus_prompts(corpus: str, tokenizer, max_prompts: int, max_prompt_tokens: int, skip: int = 0) -> list[dict]:
-    """The first `max_prompts` pair prompts of the corpus that fit `max_prompt_tokens`, after the first
-    `skip` pair prompts, tokenized."""
+    """The first `max_prompts` prompts (records with a `prompt`) of the file that fit `max_prompt_tokens`,
+    after the first `skip` prompts, tokenized with the target's chat template."""
     prompts = []
-    pairs = (record for record in read_jsonl(corpus) if record.get("kind") == "pair")
+    pairs = (record for record in read_jsonl(corpus) if "prompt" in record)
     for record in itertools.islice(pairs, skip, None):
         ids = chat_prompt_ids(tokenizer, record["prompt"])
         if len(ids) <= max_prompt_tokens:
@@ -130,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="data/regen/train.jsonl", help="output JSON lines (default: %(default)s)")
     parser.add_argument("--max-prompts", type=int, default=4000)
     parser.add_argument("--skip-prompts", type=int, default=0,
-                        help="start after this many corpus pair prompts (to extend a data set, or to shard it "
+                        help="start after this many prompts (to extend a data set, or to shard it "
                              "over processes)")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256)
