@@ -102,6 +102,13 @@ def shard_index_without_weight_map(checkpoint: Path) -> None:
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": 1}}))
 
 
+def poisoned(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    """A copy of `tensor` whose first element is `value`."""
+    copy = tensor.clone()
+    copy.view(-1)[0] = value
+    return copy
+
+
 def set_tensor(name: str, make):
     return lambda checkpoint: rewrite_weights(checkpoint, lambda sd: sd.update({name: make(sd)}))
 
@@ -214,6 +221,36 @@ def test_text_report(checkpoint, capsys):
     out = capsys.readouterr().out
     assert "[FAIL] tensors: names" in out and "- 1 missing: norm.weight" in out
     assert out.rstrip().endswith("FAILED: 2 check(s)")
+
+
+def poison_tensor(name: str, value: float):
+    return set_tensor(name, lambda sd: poisoned(sd[name], value))
+
+
+VALUE_PROBLEMS = {  # (how to corrupt a valid checkpoint's weights, the finding of --values)
+    "NaN": (poison_tensor("layers.0.mlp.up_proj.weight", math.nan),
+            "model.safetensors: layers.0.mlp.up_proj.weight: 1 of 2,048 values are NaN or inf"),
+    "inf": (poison_tensor("markov_head.markov_w1.weight", math.inf),
+            "model.safetensors: markov_head.markov_w1.weight: 1 of 512 values are NaN or inf"),
+    "integer tensor": (set_tensor("norm.weight", lambda sd: torch.ones(32, dtype=torch.int32)),
+                       "model.safetensors: norm.weight: int32 values; draft weights are floating point"),
+}
+
+
+@pytest.mark.parametrize("problem", VALUE_PROBLEMS)
+def test_values_option_reads_every_tensor_for_nonfinite_and_non_float_values(problem, checkpoint, capsys):
+    code, report = run_cli(verify_checkpoint, [checkpoint, "--values"], capsys)
+    values = next(check for check in report["checks"] if check["name"] == "tensors: values (finite, floating point)")
+    assert code == 0 and values["detail"] == f"{len(tiny_draft().state_dict())} tensors read"
+    corrupt, message = VALUE_PROBLEMS[problem]
+    corrupt(checkpoint)
+    code, report = run_cli(verify_checkpoint, [checkpoint, "--values"], capsys)
+    assert code == 1 and failed_checks(report)["tensors: values (finite, floating point)"] == [message]
+
+
+def test_values_option_needs_a_local_directory(capsys):
+    code, failure = run_cli(verify_checkpoint, ["RadixArk/Kimi-K3-DSpark", "--values"], capsys)
+    assert code == 2 and "--values reads every tensor, so it needs a local directory" in failure["error"]
 
 
 # ---------------------------------------------------------------- header-only reads, sharding, the Hub
@@ -415,8 +452,13 @@ def truncated_safetensors(source: Path) -> None:
     truncate(source)
 
 
-# source: (how to write the unreadable part of a checkpoint folder that has a valid config.json, a phrase of the error)
-UNREADABLE_SOURCES = {
+def safetensors_source(edit):
+    """Writes the tiny draft's weights into the source folder after `edit` (a state dict -> state dict)."""
+    return lambda source: save_file(edit(dict(tiny_draft().state_dict())), source / "model.safetensors")
+
+
+# source: (how to write the bad part of a checkpoint folder that has a valid config.json, a phrase of the error)
+BAD_SOURCES = {
     ".pt holding a list": (torch_file([1, 2]), "draft.pt: holds list data, not a state dict"),
     ".pt holding a tensor": (torch_file(torch.zeros(3)), "draft.pt: holds Tensor data, not a state dict"),
     ".pt holding an int": (torch_file(7), "draft.pt: holds int data, not a state dict"),
@@ -430,12 +472,18 @@ UNREADABLE_SOURCES = {
                                "model.safetensors.index.json: not valid JSON"),
     "config that is a list": (lambda source: (source / "config.json").write_text("[]"),
                               "config.json: holds a JSON list, not a config object"),
+    "NaN weight": (safetensors_source(lambda sd: sd | {"fc.weight": poisoned(sd["fc.weight"], math.nan)}),
+                   "fc.weight: 1 of 2,048 values are NaN or inf"),
+    "integer weight": (safetensors_source(lambda sd: sd | {"norm.weight": torch.ones(32, dtype=torch.int64)}),
+                       "norm.weight: int64 values; draft weights are floating point"),
+    "one tensor under two names": (safetensors_source(lambda sd: sd | {"model.fc.weight": sd["fc.weight"].clone()}),
+                                   "holds 'fc.weight' twice, as 'fc.weight' and as 'model.fc.weight'"),
 }
 
 
-@pytest.mark.parametrize("source_kind", UNREADABLE_SOURCES)
-def test_converter_reports_an_unreadable_source_in_one_error_line(source_kind, tmp_path, capsys):
-    write, message = UNREADABLE_SOURCES[source_kind]
+@pytest.mark.parametrize("source_kind", BAD_SOURCES)
+def test_converter_reports_a_bad_source_in_one_error_line(source_kind, tmp_path, capsys):
+    write, message = BAD_SOURCES[source_kind]
     source = tmp_path / "source"
     source.mkdir()
     DSparkConfig(**tiny_kwargs()).to_json_file(source / "config.json")

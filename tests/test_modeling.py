@@ -103,14 +103,75 @@ def test_missing_tensor_of_a_prefixed_checkpoint_names_its_folder(draft, tmp_pat
         DSparkDraftModel.from_pretrained(tmp_path)
 
 
-def test_head_tensors_the_config_does_not_build_are_an_error(draft, tmp_path):
-    draft.save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
+def save_with_weights(draft, path, edit) -> None:
+    """Saves `draft` to `path`, then rewrites its weights with `edit` applied to a copy of the state dict."""
+    draft.save_pretrained(path)
+    state_dict = {name: tensor.clone() for name, tensor in draft.state_dict().items()}
+    edit(state_dict)
+    save_file(state_dict, path / "model.safetensors")
+
+
+def add_layer(state_dict) -> None:
+    state_dict.update({n.replace("layers.1.", "layers.2."): t.clone() for n, t in list(state_dict.items())
+                       if n.startswith("layers.1.")})
+
+
+def set_value(name: str, value: float):
+    return lambda state_dict: state_dict[name].view(-1).__setitem__(0, value)
+
+
+def without_heads_in_config(path) -> None:
+    config = json.loads((path / "config.json").read_text())
     for keys in (config, config["dflash_config"]):
         keys.update(markov_rank=0, enable_confidence_head=False, confidence_head_with_markov=False)
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"head tensors the config does not build.*markov_rank=0"):
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        pytest.param(add_layer, r"has 11 tensor\(s\) the config does not build, e.g. "
+                     r"\['layers.2.input_layernorm.weight'.*num_hidden_layers=2", id="one-layer-more-than-the-config"),
+        pytest.param(lambda sd: sd.update({"model.fc.weight": sd["fc.weight"].clone()}),
+                     r"holds 'fc.weight' twice, as 'fc.weight' and as 'model.fc.weight'. Keep one name layout",
+                     id="fc-and-model.fc"),
+        pytest.param(lambda sd: sd.update({"logit_head.markov_w1.weight": sd["markov_head.markov_w1.weight"].clone()}),
+                     r"holds 'markov_head.markov_w1.weight' twice", id="markov_head-and-logit_head"),
+        pytest.param(lambda sd: sd.update({"norm.weight": torch.ones(HIDDEN, dtype=torch.int32)}),
+                     r"stores 1 tensor\(s\) in a non-floating-point dtype, e.g. \{'norm.weight': 'I32'\}",
+                     id="integer-tensor"),
+        pytest.param(set_value("layers.0.mlp.up_proj.weight", math.nan),
+                     r"has NaN or inf values in 1 tensor\(s\), e.g. \['layers.0.mlp.up_proj.weight'\]", id="nan"),
+        pytest.param(set_value("markov_head.markov_w1.weight", math.inf), r"NaN or inf values in 1 tensor", id="inf"),
+        pytest.param(set_value("confidence_head.proj.bias", -math.inf), r"NaN or inf values in 1 tensor", id="-inf"),
+    ],
+)
+def test_surprising_weights_are_refused_at_load(draft, tmp_path, edit, message):
+    save_with_weights(draft, tmp_path, edit)
+    with pytest.raises(ValueError, match=message):
         DSparkDraftModel.from_pretrained(tmp_path)
+
+
+def test_head_tensors_the_config_does_not_build_are_an_error(draft, tmp_path):
+    draft.save_pretrained(tmp_path)
+    without_heads_in_config(tmp_path)
+    with pytest.raises(ValueError, match=r"has 4 tensor\(s\) the config does not build, e.g. \['confidence_head"
+                                         r".*markov_rank=0, enable_confidence_head=False"):
+        DSparkDraftModel.from_pretrained(tmp_path)
+
+
+def test_values_a_smaller_dtype_cannot_hold_are_refused_at_load(draft, tmp_path):
+    save_with_weights(draft, tmp_path, set_value("fc.weight", 1e6))  # float16 holds at most 65504
+    assert DSparkDraftModel.from_pretrained(tmp_path, dtype=torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"loaded as torch.float16, has NaN or inf values in 1 tensor\(s\), e.g. "
+                                         r"\['fc.weight'\]"):
+        DSparkDraftModel.from_pretrained(tmp_path, dtype=torch.float16)
+
+
+def test_a_state_dict_with_integer_tensors_is_refused(draft):
+    state_dict = dict(draft.state_dict(), **{"norm.weight": torch.ones(HIDDEN, dtype=torch.int64)})
+    with pytest.raises(ValueError, match=r"non-floating-point dtype, e.g. \{'norm.weight': 'torch.int64'\}"):
+        DSparkDraftModel.from_pretrained(None, config=draft.config, state_dict=state_dict)
 
 
 def test_wrong_shape_is_an_error(draft, tmp_path):

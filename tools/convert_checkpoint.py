@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.common import REMOTE_CODE_FILES, REPO_ROOT  # noqa: E402  (importing `tools` registers `dspark`)
 from tools.verify_checkpoint import (  # noqa: E402
     ARCHITECTURE, INDEX_FILE, SAFETENSORS_DTYPES, SINGLE_FILE, TensorInfo, check_tensors, expected_tensor_table,
-    format_report, verify_checkpoint, weight_map_of,
+    format_report, value_problem, verify_checkpoint, weight_map_of,
 )  # fmt: skip
 from dspark.configuration_dspark import DSparkConfig  # noqa: E402
 from dspark.modeling_dspark import DSparkDraftModel  # noqa: E402
@@ -146,14 +146,15 @@ def write_hub_checkpoint(
 ) -> list[str]:
     """Write config.json, the weights (cast to `dtype`, sharded above `max_shard_size`) and the remote code.
 
-    The tensors must match the config's draft exactly (names and shapes); nothing is written otherwise.
-    Returns the names of the weight files written.
+    The tensors must match the config's draft exactly (names and shapes) and hold finite floating-point values
+    (`value_problem`); nothing is written otherwise. Returns the names of the weight files written.
     """
+    errors = [problem for name, tensor in state_dict.items() if (problem := value_problem(name, tensor))]
     state_dict = {name: tensor.to(getattr(torch, dtype)).contiguous() for name, tensor in state_dict.items()}
     found = {name: TensorInfo(tuple(t.shape), SAFETENSORS_DTYPES[dtype]) for name, t in state_dict.items()}
-    errors = [error for check in check_tensors(found, expected_tensor_table(config, dtype)) for error in check.errors]
+    errors += [error for check in check_tensors(found, expected_tensor_table(config, dtype)) for error in check.errors]
     if errors:
-        raise ValueError("the tensors do not match the config's draft: " + "; ".join(errors))
+        raise ValueError("the tensors do not make the config's draft: " + "; ".join(errors))
 
     output.mkdir(parents=True, exist_ok=True)
     if any(output.iterdir()):
