@@ -5,6 +5,10 @@ AutoModel(trust_remote_code) -> Sequential Temperature Scaling -> evaluation out
 """
 
 import json
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,8 +20,9 @@ import tools  # noqa: F401  (registers the repository root as the package `dspar
 from dspark.configuration_dspark import DSparkConfig
 from dspark.generation_utils import _DSparkDecoder, dspark_generate
 from tools import calibrate, chat_format, regenerate_data, train_draft
+from tools.feature_cache import FeatureCache
 from tools.common import (
-    REMOTE_CODE_FILES, RoundRecords, load_training_state, read_jsonl, save_training_state, survival,
+    REMOTE_CODE_FILES, REPO_ROOT, RoundRecords, load_training_state, read_jsonl, save_training_state, survival,
     teacher_forced_rounds,
 )
 from tiny_models import TARGETS, agreeing_prompts, fitted_draft, qwen3_target
@@ -301,3 +306,65 @@ def test_demo_runs_the_pair(workspace, capsys):
                          "--prompts", "1", "--max-new-tokens", "8", "--threads", "1"])
     assert summary["lossless"] == "1/1" and summary["tau"] >= 1.0
     assert "identical to plain greedy" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- offline and DDP
+OFFLINE_FLAGS = ["--max-steps", "3", "--num-anchors", "8", "--target-layer-ids", "1", "3"]
+
+
+def test_offline_training_from_cached_features_follows_the_online_run(workspace):
+    """A float32 feature cache reproduces what the live target gives every step: same losses, same weights."""
+    train(workspace, "dspark", "online", *OFFLINE_FLAGS)
+    train(workspace, "dspark", "offline", *OFFLINE_FLAGS, "--features-cache", str(workspace / "cache-fp32"),
+          "--cache-dtype", "fp32")
+    torch.testing.assert_close(losses(workspace / "offline"), losses(workspace / "online"), rtol=1e-5, atol=1e-6)
+    online = load_file(workspace / "online" / "final" / "model.safetensors")
+    offline = load_file(workspace / "offline" / "final" / "model.safetensors")
+    for name in online:
+        torch.testing.assert_close(offline[name], online[name], rtol=1e-4, atol=1e-5)
+
+
+def test_feature_cache_resumes_a_partial_build_and_refuses_other_settings(workspace, monkeypatch):
+    cache = workspace / "cache-chunks"
+    train(workspace, "dspark", "cached", *OFFLINE_FLAGS, "--features-cache", str(cache))
+    chunks = sorted(cache.glob("records-*.safetensors"))
+    first = load_file(chunks[0])
+    chunks[0].unlink()  # an interrupted build: the other chunks are kept, the missing one is built again
+    built = []
+    original = FeatureCache.build
+    monkeypatch.setattr(FeatureCache, "build", lambda self, *a, **k: built.append(self.num_chunks) or original(self, *a, **k))
+    train(workspace, "dspark", "cached-again", *OFFLINE_FLAGS, "--features-cache", str(cache))
+    rebuilt = load_file(chunks[0])
+    assert rebuilt.keys() == first.keys() and all(torch.equal(rebuilt[k], first[k]) for k in first)
+    assert first["features.0"].dtype == torch.bfloat16 and first["features.0"].shape[-1] == 2 * 64
+    with pytest.raises(SystemExit, match="layer_ids differ"):
+        train(workspace, "dspark", "other-layers", "--max-steps", "1", "--target-layer-ids", "2",
+              "--features-cache", str(cache))
+
+
+def test_two_processes_reach_the_weights_of_one_process_on_the_same_global_batch(workspace):
+    """torchrun with 2 gloo processes x 1 micro-batch == 1 process x 2 accumulated micro-batches (DDP averages
+    the gradients; each rank builds half of the offline cache and reads only its own records)."""
+    flags = ["--kind", "dspark", "--target", str(workspace / "target"), "--data", str(workspace / "regen.jsonl"),
+             *TRAIN_FLAGS, *OFFLINE_FLAGS, "--device", "cpu"]
+    train_draft.main([*flags, "--grad-accum", "2", "--out", str(workspace / "one-process"),
+                      "--features-cache", str(workspace / "cache-one")])
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
+         str(REPO_ROOT / "tools" / "train_draft.py"), *flags, "--grad-accum", "1",
+         "--out", str(workspace / "two-processes"), "--features-cache", str(workspace / "cache-two")],
+        check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    one = load_file(workspace / "one-process" / "final" / "model.safetensors")
+    two = load_file(workspace / "two-processes" / "final" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses(workspace / "two-processes"), losses(workspace / "one-process"))
+    assert len(list((workspace / "cache-two").glob("records-*.safetensors"))) == 1  # 8 records: one chunk
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

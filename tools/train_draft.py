@@ -8,8 +8,11 @@ Kinds (--kind):
              head) for transformers' stock assisted generation, distilled on the same data and loss.
 
 Data: the target's own answers to the corpus prompts (tools/regenerate_data.py), loss on the response.
-Every step runs the frozen target once: its layer outputs at `target_layer_ids` are captured live by
-forward hooks (TargetFeatureCapture) and its logits come from the same forward. DSpark/DFlash use
+Online (the default), every step runs the frozen target once: its layer outputs at `target_layer_ids` are
+captured live by forward hooks (TargetFeatureCapture) and its logits come from the same forward. Offline
+(--features-cache DIR, for targets whose forward dominates), the target runs once over the data first and
+its features and final hidden states are stored in DIR (tools/feature_cache.py; built if missing, resumable);
+training then reads them back and takes the target's logits from its LM head, `lm_head(last_hidden)`. DSpark/DFlash use
 `DSparkDraftModel.compute_loss` (anchors, blocks, cumulative masks, exp(-k/4) weights, 0.1 CE + 0.9 L1
 + 1.0 BCE); the assistant gets 0.1 CE + 0.9 L1 at every response position. The draft shares the
 target's frozen embedding and LM head. AdamW (peak --lr 6e-4), 4% linear warmup, cosine to 0, gradient
@@ -17,8 +20,11 @@ clipping 1.0, gradient accumulation, periodic checkpoints, --resume. --dtype bf1
 bulk of the compute and memory) in bfloat16; the draft keeps float32 weights and compute.
 
 Scales beyond one device: --device / --target-device-map place the target (accelerate device_map for
-big ones) and the draft; launched with torchrun, every process trains on its share of the micro-batches
-and gradients are averaged with torch.distributed before each optimiser step (rank 0 writes).
+big ones) and the draft; launched with torchrun, the draft is wrapped in DistributedDataParallel (nccl on
+GPUs, gloo on CPUs): every process trains on its share of each step's micro-batches, the offline cache is
+built in shards by all ranks and each rank reads only its own micro-batches' records; rank 0 writes. A step
+sees the same global batch (batch size x grad accum x processes) whatever the split, so N processes reach
+the weights of one process with N times the gradient accumulation.
 
 Outputs in --out: train_log.jsonl (one line per step), checkpoint-STEP/ (weights + trainer_state.pt),
 train_summary.json, and the final model in --final-dir (default OUT/final): for dspark/dflash the Hub
@@ -29,6 +35,7 @@ with the tokenizer.
 Example:
     python tools/train_draft.py --kind dspark --data data/regen/train.jsonl --heldout data/regen/heldout.jsonl \\
         --num-layers 2 --markov-rank 64 --epochs 2 --out runs/dspark --final-dir embedded/dspark
+    python tools/train_draft.py --target smollm2 --features-cache data/smollm2/features ...   # offline
     torchrun --nproc-per-node 8 tools/train_draft.py --kind dspark --device cuda --dtype bf16 ...
 """
 
@@ -41,12 +48,15 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
@@ -55,6 +65,7 @@ from dspark.configuration_dspark import DSparkConfig  # noqa: E402
 from dspark.generation_utils import TargetFeatureCapture, decoder_layers
 from dspark.modeling_dspark import CE_WEIGHT, L1_WEIGHT, DSparkDraftModel
 from tools import chat_format
+from tools.feature_cache import FeatureCache
 from tools.common import (
     DTYPES, RoundRecords, add_model_arguments, apply_threads, load_target, load_training_state, read_jsonl,
     resolve_device, save_hub_layout, save_training_state, teacher_forced_rounds, write_json,
@@ -153,11 +164,12 @@ class SequenceData:
         self.max_length, self.batch_size, self.pad_id, self.seed = max_length, batch_size, pad_id, seed
         self.per_epoch = math.ceil(len(self.records) / batch_size)
 
-    def micro_batch(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_batch(self, index: int) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+        """(record indices, input_ids [B, T], loss_mask [B, T]) of micro-batch `index`."""
         epoch, within = divmod(index, self.per_epoch)
         order = torch.randperm(len(self.records), generator=torch.Generator().manual_seed(self.seed + epoch))
         chosen = order[within * self.batch_size : (within + 1) * self.batch_size].tolist()
-        return collate([self.records[i] for i in chosen], self.max_length, self.pad_id)
+        return (chosen, *collate([self.records[i] for i in chosen], self.max_length, self.pad_id))
 
 
 def collate(records: list[dict], max_length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,29 +195,36 @@ def target_forward(target, input_ids: torch.Tensor, layer_ids: list[int] | None,
             return logits, capture.features()
 
 
-def draft_loss(args, model, target, input_ids, loss_mask, generator) -> dict[str, torch.Tensor]:
-    """The loss (with its parts) of one micro-batch, for any --kind."""
-    device = input_ids.device
-    if args.kind == "assistant":
-        target_logits, _ = target_forward(target, input_ids, None, device)
-        logits = model(input_ids).logits[:, :-1].float()
-        supervised = loss_mask[:, 1:].bool()
-        labels = input_ids[:, 1:]
-        log_probs = torch.log_softmax(logits[supervised], dim=-1)
-        cross_entropy = F.nll_loss(log_probs, labels[supervised])
-        target_probs = torch.softmax(target_logits[:, :-1][supervised].float(), dim=-1)
-        l1 = (log_probs.exp() - target_probs).abs().sum(-1).mean()
-        accuracy = (log_probs.argmax(-1) == labels[supervised]).float().mean()
-        loss = CE_WEIGHT * cross_entropy + L1_WEIGHT * l1
-        return {"loss": loss, "cross_entropy": cross_entropy, "l1": l1,
-                "confidence_bce": torch.zeros((), device=device), "accuracy": accuracy}
-    target_logits, features = target_forward(target, input_ids, model.config.target_layer_ids, device)
-    output = model.compute_loss(
-        input_ids, loss_mask, features, target_logits,
-        target.get_input_embeddings(), target.get_output_embeddings(),
-        num_anchors=args.num_anchors, generator=generator,
-    )
-    return {name: getattr(output, name) for name in METRICS}
+class DraftLoss(nn.Module):
+    """The loss (with its parts) of one micro-batch, for any --kind, given the target's logits and features.
+
+    A module so that DistributedDataParallel can wrap it: the draft is its only trainable part; the target's
+    embedding and LM head are borrowed, frozen.
+    """
+
+    def __init__(self, kind: str, model: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module, num_anchors: int):
+        super().__init__()
+        self.kind, self.model, self.num_anchors = kind, model, num_anchors
+        self.borrowed = {"embed_tokens": embed_tokens, "lm_head": lm_head}  # not submodules: never trained or saved
+
+    def forward(self, input_ids, loss_mask, target_logits, features, generator) -> dict[str, torch.Tensor]:
+        if self.kind == "assistant":
+            logits = self.model(input_ids).logits[:, :-1].float()
+            supervised = loss_mask[:, 1:].bool()
+            labels = input_ids[:, 1:]
+            log_probs = torch.log_softmax(logits[supervised], dim=-1)
+            cross_entropy = F.nll_loss(log_probs, labels[supervised])
+            target_probs = torch.softmax(target_logits[:, :-1][supervised].float(), dim=-1)
+            l1 = (log_probs.exp() - target_probs).abs().sum(-1).mean()
+            accuracy = (log_probs.argmax(-1) == labels[supervised]).float().mean()
+            loss = CE_WEIGHT * cross_entropy + L1_WEIGHT * l1
+            return {"loss": loss, "cross_entropy": cross_entropy, "l1": l1,
+                    "confidence_bce": torch.zeros((), device=input_ids.device), "accuracy": accuracy}
+        output = self.model.compute_loss(
+            input_ids, loss_mask, features, target_logits, self.borrowed["embed_tokens"], self.borrowed["lm_head"],
+            num_anchors=self.num_anchors, generator=generator,
+        )
+        return {name: getattr(output, name) for name in METRICS}
 
 
 # ---------------------------------------------------------------------------------------------- schedule
@@ -243,6 +262,39 @@ class Trainer:
         self.step = 0
         self.elapsed = 0.0  # training seconds, carried across resumes
         self.tokens = 0
+        self.layer_ids = None if args.kind == "assistant" else self.model.config.target_layer_ids
+        self.cache = self.build_feature_cache() if args.features_cache else None
+        self.loss = DraftLoss(args.kind, self.model, self.target.get_input_embeddings(),
+                              self.target.get_output_embeddings(), args.num_anchors)
+        self.distributed_loss = DistributedDataParallel(self.loss) if self.world_size > 1 else self.loss
+
+    # -- the target's side of the loss
+    def build_feature_cache(self) -> FeatureCache:
+        """The offline cache of this run's data (built first where it is missing, by every rank)."""
+        args = self.args
+        if self.layer_ids is None:
+            raise SystemExit("--features-cache trains DSpark / DFlash drafts; train the assistant online.")
+        if getattr(self.target.config.get_text_config(), "final_logit_softcapping", None):
+            raise SystemExit("--features-cache takes the target's logits as lm_head(last hidden state); this target "
+                             "soft-caps its logits after the LM head. Train it online (drop --features-cache).")
+        identity = {
+            "target": str(args.target), "layer_ids": self.layer_ids, "max_length": args.max_length,
+            "dtype": args.cache_dtype, "data": [[str(path), os.path.getsize(path)] for path in args.data],
+        }
+        cache = FeatureCache(args.features_cache, identity, len(self.data.records))
+        sequences = [record["input_ids"][: args.max_length] for record in self.data.records]
+        cache.build(self.target, sequences, self.layer_ids, self.rank, self.world_size, DTYPES[args.cache_dtype])
+        return cache
+
+    def target_outputs(self, indices: list[int], input_ids: torch.Tensor):
+        """The target's logits [B, T, V] and features [B, T, n * H] of a micro-batch: live, or from the cache."""
+        if self.cache is None:
+            return target_forward(self.target, input_ids, self.layer_ids, self.device)
+        features, last_hidden = self.cache.batch(indices, input_ids.shape[1])
+        lm_head = self.target.get_output_embeddings()
+        with torch.no_grad():
+            logits = lm_head(last_hidden.to(self.device, lm_head.weight.dtype)).float()
+        return logits, features.to(self.device)
 
     # -- checkpoints
     def save_checkpoint(self) -> None:
@@ -284,20 +336,24 @@ class Trainer:
     # -- one optimiser step
     def train_step(self) -> dict[str, float]:
         args = self.args
-        totals = dict.fromkeys(METRICS, 0.0)
+        totals = torch.zeros(len(METRICS) + 1)  # the step's mean metrics, then its supervised tokens
         generator = torch.Generator(self.device)
         for micro in range(args.grad_accum):
             index = (self.step * args.grad_accum + micro) * self.world_size + self.rank
-            input_ids, loss_mask = self.data.micro_batch(index)
+            indices, input_ids, loss_mask = self.data.micro_batch(index)
             input_ids, loss_mask = input_ids.to(self.device), loss_mask.to(self.device)
+            target_logits, features = self.target_outputs(indices, input_ids)
             generator.manual_seed(args.seed * 1_000_003 + index)  # anchors: a function of the micro-batch
-            metrics = draft_loss(args, self.model, self.target, input_ids, loss_mask, generator)
-            (metrics["loss"] / args.grad_accum).backward()
-            for name in METRICS:
-                totals[name] += float(metrics[name].detach()) / args.grad_accum
-            self.tokens += int(loss_mask.sum())
+            last = micro == args.grad_accum - 1
+            with nullcontext() if last or self.world_size == 1 else self.distributed_loss.no_sync():
+                metrics = self.distributed_loss(input_ids, loss_mask, target_logits, features, generator)
+                (metrics["loss"] / args.grad_accum).backward()  # DDP averages the gradients over the processes
+            totals += torch.tensor([float(metrics[name].detach()) for name in METRICS] + [float(loss_mask.sum())])
         if self.world_size > 1:
-            average_gradients(self.params, self.world_size)
+            dist.all_reduce(totals)
+        totals[: len(METRICS)] /= args.grad_accum * self.world_size
+        self.tokens += int(totals[-1])
+        totals = dict(zip(METRICS, totals.tolist()))
         totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, args.grad_clip))
         totals["lr"] = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -320,7 +376,8 @@ class Trainer:
         for record in records:
             input_ids, loss_mask = collate([record], args.max_length, self.tokenizer.pad_token_id)
             input_ids, loss_mask = input_ids.to(self.device), loss_mask.to(self.device)
-            metrics = draft_loss(args, self.model, self.target, input_ids, loss_mask, generator)
+            target_logits, features = target_forward(self.target, input_ids, self.layer_ids, self.device)
+            metrics = self.loss(input_ids, loss_mask, target_logits, features, generator)
             for name in METRICS:
                 totals[name] += float(metrics[name]) / len(records)
             if args.kind != "assistant":
@@ -389,15 +446,6 @@ def init_distributed(args) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def average_gradients(params: list[torch.nn.Parameter], world_size: int) -> None:
-    """All-reduce (mean) every gradient; a parameter without gradient on this rank contributes zeros."""
-    for param in params:
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        dist.all_reduce(param.grad)
-        param.grad.div_(world_size)
-
-
 # ---------------------------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -410,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="regenerated GREEDY held-out data, evaluated every --eval-every steps")
     data.add_argument("--heldout-limit", type=int, default=32, help="held-out sequences per evaluation")
     data.add_argument("--max-length", type=int, default=1024, help="tokens per training sequence (longer ones are cut)")
+    data.add_argument("--features-cache", default=None,
+                      help="offline mode: the folder of the target's cached features (built first if missing)")
+    data.add_argument("--cache-dtype", choices=sorted(DTYPES), default="bf16",
+                      help="dtype of the cached features and hidden states (default: %(default)s)")
     model = parser.add_argument_group("draft architecture (hidden size and vocabulary come from the target)")
     model.add_argument("--num-layers", type=int, default=2)
     model.add_argument("--num-heads", type=int, default=0, help="0 = hidden_size // 64")
