@@ -1089,9 +1089,9 @@ class _DSparkDecoder:
                 if self.want_logits:
                     self.row_logits[row].append(logits[i, step])
             stopped = []
-            active = torch.tensor(active, device=self.device)
-            for index, length in self._groups(rows[active]):
-                group = active[index]
+            active_positions = torch.tensor(active, device=self.device)
+            for index, length in self._groups(rows[active_positions]):
+                group = active_positions[index]
                 criteria = StoppingCriteriaList(_rows_of(criterion, rows[group]) for criterion in self.criteria)
                 done = criteria(self.sequences[rows[group], :length], scores[group, step]).tolist()
                 stopped += [i for i, stop in zip(group.tolist(), done) if stop and self.stop_step[row_ids[i]] is None]

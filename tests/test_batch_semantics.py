@@ -61,13 +61,24 @@ def test_a_per_row_stopping_criterion_is_called_exactly_as_plain_generate_calls_
 
     plain_criterion, dspark_criterion = StopAtRowToken(stop_tokens), StopAtRowToken(stop_tokens)
     expected = target.generate(input_ids, **kwargs, stopping_criteria=StoppingCriteriaList([plain_criterion]))
-    actual = dspark_generate(target, draft, input_ids, **kwargs, stopping_criteria=StoppingCriteriaList([dspark_criterion]))
+    actual = dspark_generate(target, draft, input_ids, **kwargs,
+                             stopping_criteria=StoppingCriteriaList([dspark_criterion]))
 
     assert torch.equal(actual, expected)
     new_tokens = (expected[:, input_ids.shape[1]:] != PAD).sum(-1)
     assert len(set(new_tokens.tolist())) == 3  # the rows stop at three different steps
     assert len(dspark_criterion.calls) == len(plain_criterion.calls)
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(dspark_criterion.calls, plain_criterion.calls))
+
+
+def _processor_kwargs(processor: str, banned: list[int]) -> dict:
+    """Fresh `generate` arguments that add `processor` (user processors record their calls: one per run)."""
+    if processor == "per_row_logits_processor":
+        return {"logits_processor": LogitsProcessorList([BanRowToken(banned)])}
+    if processor == "prefix_allowed_tokens_fn":  # row b draws from its own third of the vocabulary (and EOS)
+        return {processor: lambda batch_id, ids: [EOS, *range(4 + 160 * batch_id, 164 + 160 * batch_id)]}
+    values = {"repetition_penalty": 1.3, "encoder_repetition_penalty": 1.5, "no_repeat_ngram_size": 2}
+    return {processor: values[processor]}
 
 
 @pytest.mark.parametrize(
@@ -81,49 +92,40 @@ def test_processors_with_per_row_state_see_each_row_as_plain_generate_does(proce
     target, draft = TARGETS["qwen3"](), fitted_draft("qwen3")
     input_ids, attention_mask = _batch("qwen3")
     banned = _row_tokens(target, input_ids, attention_mask, steps=[2, 3, 4])
-    options = {
-        "repetition_penalty": lambda: {"repetition_penalty": 1.3},
-        "encoder_repetition_penalty": lambda: {"encoder_repetition_penalty": 1.5},
-        "per_row_logits_processor": lambda: {"logits_processor": LogitsProcessorList([BanRowToken(banned)])},
-        # Row b draws from its own third of the vocabulary (and EOS).
-        "prefix_allowed_tokens_fn": lambda: {
-            "prefix_allowed_tokens_fn": lambda batch_id, ids: [EOS, *range(4 + 160 * batch_id, 164 + 160 * batch_id)]
-        },
-    }[processor]
-    eos_token_id = _row_tokens(target, input_ids, attention_mask, steps=[4, 7, 10], **options())
+    eos_token_id = _row_tokens(target, input_ids, attention_mask, steps=[4, 7, 10],
+                               **_processor_kwargs(processor, banned))
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                   eos_token_id=eos_token_id)
 
-    expected = target.generate(input_ids, **kwargs, **options())
-    dspark_options = options()
-    actual = dspark_generate(target, draft, input_ids, **kwargs, **dspark_options)
+    expected = target.generate(input_ids, **kwargs, **_processor_kwargs(processor, banned))
+    dspark_kwargs = _processor_kwargs(processor, banned)
+    actual = dspark_generate(target, draft, input_ids, **kwargs, **dspark_kwargs)
 
     assert torch.equal(actual, expected)
     assert (actual[:, -1] == PAD).any()  # a row finished early
     if processor == "per_row_logits_processor":
-        assert dspark_options["logits_processor"][0].batch_sizes == {3}
+        assert dspark_kwargs["logits_processor"][0].batch_sizes == {3}
 
 
 @pytest.mark.parametrize(
-    "name, processors",
-    [("qwen3", "stock"), ("qwen3", "per_row"), ("kimi_linear", "per_row")],
+    "name, processor",
+    [("qwen3", "no_repeat_ngram_size"), ("qwen3", "per_row_logits_processor"),
+     ("kimi_linear", "per_row_logits_processor")],
     ids=["dense_row_wise", "dense_whole_batch", "stateful_whole_batch"],
 )
-def test_scores_and_logits_of_finished_rows_equal_plain_generate(name, processors):
+def test_scores_and_logits_of_finished_rows_equal_plain_generate(name, processor):
     """`generate` keeps computing finished rows: their scores are the processors' output for the sequence extended
-    by pad tokens. With ragged rows (stock processors) and step-aligned ones (a per-row user processor)."""
+    by pad tokens. With ragged rows (a stock processor) and step-aligned ones (a per-row user processor)."""
     target, draft = TARGETS[name](), fitted_draft(name)
     input_ids, attention_mask = _batch(name)
-    extra = lambda: (  # noqa: E731
-        {"no_repeat_ngram_size": 2} if processors == "stock"
-        else {"logits_processor": LogitsProcessorList([BanRowToken([7, 8, 9])])}
-    )
-    eos_token_id = _row_tokens(target, input_ids, attention_mask, steps=[3, 6, 9], **extra())
+    banned = _row_tokens(target, input_ids, attention_mask, steps=[2, 3, 4])
+    eos_token_id = _row_tokens(target, input_ids, attention_mask, steps=[3, 6, 9],
+                               **_processor_kwargs(processor, banned))
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                   eos_token_id=eos_token_id, return_dict_in_generate=True, output_scores=True, output_logits=True)
 
-    expected = target.generate(input_ids, **kwargs, **extra())
-    actual = dspark_generate(target, draft, input_ids, **kwargs, **extra())
+    expected = target.generate(input_ids, **kwargs, **_processor_kwargs(processor, banned))
+    actual = dspark_generate(target, draft, input_ids, **kwargs, **_processor_kwargs(processor, banned))
 
     assert torch.equal(actual.sequences, expected.sequences)
     assert (actual.sequences[:, -1] == PAD).any()  # a row finished early
