@@ -299,13 +299,18 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
     assert "| dspark/full |" in (out / "eval.md").read_text()
 
 
-def test_demo_runs_the_pair(workspace, capsys):
+def test_demo_runs_both_pairs(workspace, capsys):
     import demo
 
-    summary = demo.main(["--target", str(workspace / "target"), "--draft", str(workspace / "dspark" / "final"),
-                         "--prompts", "1", "--max-new-tokens", "8", "--threads", "1"])
-    assert summary["lossless"] == "1/1" and summary["tau"] >= 1.0
-    assert "identical to plain greedy" in capsys.readouterr().out
+    pair = [str(workspace / "target"), str(workspace / "dspark" / "final")]
+    summaries = demo.main(["--real-target", pair[0], "--real-draft", pair[1], "--real-max-new-tokens", "8",
+                           "--target", pair[0], "--draft", pair[1], "--prompts", "1", "--max-new-tokens", "8",
+                           "--threads", "1"])
+    assert set(summaries) == {"real", "kimi"}
+    assert all(summary["lossless"] == "1/1" and summary["tau"] >= 1.0 for summary in summaries.values())
+    printed = capsys.readouterr().out
+    assert printed.index("Real pair") < printed.index("Stateful Kimi-family pair")
+    assert printed.count("identical to plain greedy") == 2
 
 
 # ---------------------------------------------------------------------------------------------- offline and DDP

@@ -3,7 +3,8 @@
 
 Methods (each at every --temperatures value, on every prompt of every --datasets set):
   target             the target alone (`target.generate`), the reference for speed and for losslessness;
-  dspark/MODE        `dspark_generate` with the DSpark draft, one entry per --truncations mode
+  dspark/MODE        `target.generate(..., assistant_model=draft)` (routed to `dspark_generate`) with the DSpark
+                     draft, one entry per --truncations mode
                      (full: verify all drafts; threshold: stop at the first low confidence; schedule: the
                      throughput-optimal verify length);
   dflash             the DFlash ablation draft (--dflash) through the same loop (no confidence: full);
@@ -39,7 +40,6 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 import tools  # noqa: E402,F401
-from dspark.generation_utils import dspark_generate  # noqa: E402
 from tools.common import (  # noqa: E402
     DTYPES, ForwardCounter, RoundRecords, add_model_arguments, apply_threads, chat_prompt_ids,
     expected_calibration_error,
@@ -83,7 +83,7 @@ class Evaluation:
         if method.startswith(("dspark", "dflash")):
             draft = self.drafts["dspark" if method.startswith("dspark") else "dflash"]
             truncation = method.split("/")[1] if "/" in method else "full"
-            output = dspark_generate(self.target, draft, input_ids, truncation=truncation, **common)
+            output = self.target.generate(input_ids, assistant_model=draft, truncation=truncation, **common)
             return output[0, input_ids.shape[1]:].tolist(), round_counts(draft.last_stats)
         extra = {"assistant": {"assistant_model": self.assistant},
                  "prompt_lookup": {"prompt_lookup_num_tokens": self.args.prompt_lookup}}.get(method, {})

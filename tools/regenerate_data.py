@@ -91,8 +91,11 @@ def regenerate(args) -> dict:
         raise SystemExit(f"{out} exists without {meta_path}; remove it or pick another --out.")
 
     prompts = corpus_prompts(args.corpus, tokenizer, args.max_prompts, args.max_prompt_tokens, args.skip_prompts)
-    # Similar lengths share a batch (little padding); the order is fixed, so a rerun resumes exactly.
-    prompts.sort(key=lambda p: len(p["ids"]))
+    # Similar lengths share a batch (little padding) within windows of 8 batches, so that any prefix of the
+    # output keeps the file's mix of prompts; the order is fixed, so a rerun resumes exactly.
+    window = 8 * args.batch_size
+    prompts = [p for start in range(0, len(prompts), window)
+               for p in sorted(prompts[start : start + window], key=lambda p: len(p["ids"]))]
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(meta_path, {"settings": settings, "complete": False})
