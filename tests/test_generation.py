@@ -1,9 +1,10 @@
 """DSpark decoding is lossless: token-identical to plain greedy `generate`, the target's distribution when sampling.
 
-Targets: tiny float32 Qwen3 (dense), DeepseekV3 (MLA) and kimi_linear (stateful hybrid), see tiny_models.py.
+Targets: tiny float32 Qwen3 (dense), DeepseekV3 (MLA), kimi_linear and qwen3_next (stateful hybrids), see
+tiny_models.py.
 """
 
-from types import SimpleNamespace
+import inspect
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tiny_models import (
     random_prompts,
 )
 from transformers import Qwen3Config, Qwen3ForCausalLM, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
 from dspark.generation_utils import SpsCurve, TargetCache, dspark_generate
 from dspark.modeling_dspark import DSparkDraftModel
@@ -27,30 +29,32 @@ from dspark.modeling_dspark import DSparkDraftModel
 # A made-up SPS curve (steps/s vs tokens per forward) whose decline makes `schedule` verify fewer than 7 drafts.
 SPS = SpsCurve({1: 100.0, 8: 70.0, 24: 30.0})
 TRUNCATIONS = {"full": {}, "threshold": {"confidence_threshold": 0.9}, "schedule": {"sps_curve": SPS}}
+STATEFUL = ("kimi_linear", "qwen3_next")  # hybrids with linear-attention recurrent states
 
 
 def _greedy_cases(name: str) -> list[tuple[list[torch.Tensor], int, str, bool]]:
     """(prompts, max_new_tokens, truncation, eos inside the output) cases, batch 1 and batch 3 (left-padded):
-    44 prompts for a dense target, 27 for the (slower on CPU) stateful one."""
+    44 prompts for a dense target, 27 for the (slower on CPU) stateful ones."""
     modes = list(TRUNCATIONS)
     agreeing = agreeing_prompts(name, 16, seed=1)
     random = random_prompts(16, 2, 9, seed=2)
-    batch_1 = (1, 2, 6, 7, 8, 9, 50) if name != "kimi_linear" else (1, 2, 7, 8, 9)
+    batch_1 = (1, 2, 6, 7, 8, 9, 50) if name not in STATEFUL else (1, 2, 7, 8, 9)
     cases = [([agreeing[i] if i % 2 else random[i]], n, modes[i % 3], False) for i, n in enumerate(batch_1)]
     cases.append(([agreeing[7]], 12, "full", True))
-    batch_3 = [(9, False), (12, True)] if name == "kimi_linear" else [(9, False), (12, True), (6, False), (20, True)]
+    batch_3 = [(9, False), (12, True)] if name in STATEFUL else [(9, False), (12, True), (6, False), (20, True)]
     for i, mode in enumerate(modes):  # two agreeing rows and a random one of other lengths
         prompts = [agreeing[8 + i], random[8 + i], agreeing[11 + i]]
         cases += [(prompts, n, mode, with_eos) for n, with_eos in batch_3]
-    if name == "kimi_linear":
+    if name in STATEFUL:
         cases.append(([agreeing[14], random[14], agreeing[15]], 2, "schedule", False))
     return cases
 
 
-@pytest.mark.parametrize("name", TARGET_NAMES)
-def test_greedy_equals_plain_generate(name):
-    """115 prompts over the three targets: every truncation mode, max_new_tokens around the block size (1, 2,
-    6-9) and 50, EOS inside a block, batch 1 and left-padded batch 3 rows that accept different counts."""
+@pytest.mark.parametrize("name, rollback", [*((name, "auto") for name in TARGET_NAMES), ("qwen3_next", "rerun")])
+def test_greedy_equals_plain_generate(name, rollback):
+    """169 prompts over the four targets, the gated-delta-rule hybrid with both of its exact rollbacks (replay, the
+    default, and rerun): every truncation mode, max_new_tokens around the block size (1, 2, 6-9) and 50, EOS inside
+    a block, batch 1 and left-padded batch 3 rows that accept different counts."""
     target, draft = TARGETS[name](), fitted_draft(name)
     committed = row_rounds = 0
     for prompts, max_new_tokens, truncation, with_eos in _greedy_cases(name):
@@ -61,11 +65,14 @@ def test_greedy_equals_plain_generate(name):
             kwargs["eos_token_id"] = int(plain[0, input_ids.shape[1] + 4])
         expected = target.generate(input_ids, **kwargs)
         actual = target.generate(input_ids, assistant_model=draft, truncation=truncation, **TRUNCATIONS[truncation],
-                                 **kwargs)
-        assert torch.equal(actual, expected), (name, truncation, max_new_tokens, with_eos)
+                                 rollback=rollback, **kwargs)
+        assert torch.equal(actual, expected), (name, rollback, truncation, max_new_tokens, with_eos)
+        if name in STATEFUL:
+            assert draft.last_stats.rollback == ("replay" if rollback == "auto" else rollback)
         committed += draft.last_stats.committed_tokens
         row_rounds += draft.last_stats.row_rounds
-    assert committed / row_rounds > 1.1  # the fitted draft agrees partially: tau > 1
+    # The fitted draft agrees partially: tau > 1 (lower with rerun, whose batch rows commit the batch minimum).
+    assert committed / row_rounds > (1.05 if rollback == "rerun" else 1.1)
 
 
 def test_partially_agreeing_draft_has_rejections_and_tau_above_one():
@@ -128,17 +135,46 @@ def test_replay_restores_the_same_state_as_rerun_and_reslicing_equals_crop():
         assert torch.equal(a.conv_states[0], b.conv_states[0])
 
 
-def test_replay_refuses_a_verify_that_bypassed_the_intercepted_kernel():
-    """If the model's linear-attention layers do not call the kernel TargetCache intercepts (a replaced or
-    compiled kernel), replay has nothing to replay from: an error, never a silently stale recurrent state."""
+def test_replay_refuses_a_verify_that_bypassed_the_intercepted_kernel(monkeypatch):
+    """If the model's linear-attention layers do not call the kernel TargetCache intercepts (a kernel replaced
+    after the cache was built, or a compiled model), replay has nothing to replay from: an error, never a silently
+    stale recurrent state."""
     target = TARGETS["kimi_linear"]()
     cache = TargetCache(target, "replay")
-    unused_module = SimpleNamespace(chunk=None, recurrent=None)  # what the model never calls
-    cache.kernels = (unused_module, "chunk", "recurrent")
+    module, chunk_name, _ = cache.kernels
+    monkeypatch.setattr(module, chunk_name, inspect.unwrap(getattr(module, chunk_name)))  # transformers' function
     cache.forward(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], num_logits=1)
     cache.start_recording()
-    with pytest.raises(RuntimeError, match=r"0 of the target's 6 linear-attention layers called `chunk`.*rerun"):
+    with pytest.raises(RuntimeError, match=r"0 of the target's 6 linear-attention layers called `chunk_kimi.*rerun"):
         cache.forward(torch.tensor([[8, 9]]), torch.tensor([[3, 4]]), num_logits=2, verify=True)
+
+
+def test_replay_accepts_only_kernel_keywords_it_knows(monkeypatch):
+    """A layer that passes its chunked kernel a keyword replay does not know (fla's `use_gate_in_kernel` would
+    change what masking with g = 0, beta = 0 means): seen at the prefill, rollback="auto" falls back to rerun (still
+    exact) and rollback="replay" refuses; first seen in a verify, the rollback cannot be done and both refuse."""
+    target, draft = TARGETS["kimi_linear"](), fitted_draft("kimi_linear")
+    forward = KimiLinearDeltaAttention.forward
+
+    def with_gate_keyword(self, *args, **kwargs):
+        return forward(self, *args, use_gate_in_kernel=False, **kwargs)  # transformers' kernels drop it
+
+    input_ids = agreeing_prompts("kimi_linear", 1, seed=4)[0][None]
+    monkeypatch.setattr(KimiLinearDeltaAttention, "forward", with_gate_keyword)
+    expected = target.generate(input_ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(dspark_generate(target, draft, input_ids, max_new_tokens=16, do_sample=False), expected)
+    assert draft.last_stats.rollback == "rerun"
+    unknown = r"`chunk_kimi_delta_attention` is called with \['use_gate_in_kernel'\].*Pass rollback='rerun'"
+    with pytest.raises(ValueError, match=unknown):
+        dspark_generate(target, draft, input_ids, max_new_tokens=16, do_sample=False, rollback="replay")
+
+    monkeypatch.setattr(KimiLinearDeltaAttention, "forward", forward)
+    cache = TargetCache(target, "auto")
+    cache.forward(input_ids, torch.arange(input_ids.shape[1])[None], num_logits=1)
+    cache.start_recording()
+    monkeypatch.setattr(KimiLinearDeltaAttention, "forward", with_gate_keyword)
+    with pytest.raises(ValueError, match=unknown):
+        cache.forward(torch.tensor([[8, 9]]), torch.arange(2)[None] + input_ids.shape[1], num_logits=2, verify=True)
 
 
 def sliding_window_target() -> Qwen3ForCausalLM:

@@ -5,6 +5,8 @@ Targets (vocab 512, hidden 64, pad/bos/eos = 0/1/2, the mask token 3 never appea
 - `deepseek_v3_target()`: DeepseekV3 with MLA, 4 all-dense layers; features [1, 3];
 - `kimi_linear_target()`: the stateful hybrid of background-kimi-target.md (8 layers, KDA except MLA at 0-based
   3 and 7, MoE after layer 0); features [3, 7], the last layer included.
+- `qwen3_next_target()`: the gated-delta-rule hybrid (4 dense-MLP layers, gated DeltaNet except gated attention at
+  layer 3; 2 key heads shared by 4 value heads); features [1, 3].
 
 Drafts: `random_draft(name)` agrees with its target by chance only; `fitted_draft(name)` is briefly trained with
 `compute_loss` on the target's own greedy text, so it agrees partially (tau > 1, with rejections). Every builder
@@ -22,6 +24,8 @@ from transformers import (
     KimiLinearForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
 )
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
@@ -36,8 +40,8 @@ torch.set_num_threads(1)
 VOCAB_SIZE, HIDDEN_SIZE = 512, 64
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
 FIRST_TEXT_TOKEN = 4
-TARGET_NAMES = ("qwen3", "deepseek_v3", "kimi_linear")
-TARGET_LAYER_IDS = {"qwen3": [1, 3], "deepseek_v3": [1, 3], "kimi_linear": [3, 7]}
+TARGET_NAMES = ("qwen3", "deepseek_v3", "kimi_linear", "qwen3_next")
+TARGET_LAYER_IDS = {"qwen3": [1, 3], "deepseek_v3": [1, 3], "kimi_linear": [3, 7], "qwen3_next": [1, 3]}
 _SPECIAL = dict(pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, tie_word_embeddings=False)
 
 
@@ -102,7 +106,20 @@ def kimi_linear_target(seed: int = 0) -> KimiLinearForCausalLM:
     return _frozen(KimiLinearForCausalLM(config))
 
 
-TARGETS = {"qwen3": qwen3_target, "deepseek_v3": deepseek_v3_target, "kimi_linear": kimi_linear_target}
+@functools.cache
+def qwen3_next_target(seed: int = 0) -> Qwen3NextForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen3NextConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=HIDDEN_SIZE, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=0,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, **_SPECIAL,
+    )
+    return _frozen(Qwen3NextForCausalLM(config))
+
+
+TARGETS = {"qwen3": qwen3_target, "deepseek_v3": deepseek_v3_target, "kimi_linear": kimi_linear_target,
+           "qwen3_next": qwen3_next_target}
 
 
 def draft_config(target_layer_ids: list[int], num_target_layers: int, vocab_size: int = VOCAB_SIZE, **overrides):

@@ -1,0 +1,178 @@
+"""DSpark calls are scoped to their context (thread): the recurrent-state interception (a permanent wrapper of the
+target's chunked kernel) and the feature capture (permanent forward hooks) act only for the DSpark call running in
+the calling thread. Threads decoding with their own pairs, or sharing one target and one draft, each get the output
+they get alone; outside a call, nothing behaves differently and nothing accumulates."""
+
+import copy
+import functools
+import itertools
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+import transformers.models.kimi_linear.modeling_kimi_linear as modeling_kimi_linear
+from tiny_models import TARGETS, agreeing_prompts, fitted_draft, kimi_linear_target, qwen3_target, random_prompts
+from transformers import AutoModel
+
+from dspark.generation_utils import TargetFeatureCapture, decoder_layers, dspark_generate
+
+CALLS_PER_THREAD, NEW_TOKENS = 3, 24
+KERNEL_ROUTE, ACTIVE_CAPTURES = "_dspark_kernel_route", "_dspark_active_captures"  # the installed objects' marks
+KDA_CHUNK = "chunk_kimi_delta_attention"
+
+
+def _thread_prompts(name: str, thread: int) -> list[torch.Tensor]:
+    return agreeing_prompts(name, CALLS_PER_THREAD, seed=10 + thread)
+
+
+def _decode(target, draft, prompts) -> tuple[list[torch.Tensor], tuple[float, float]]:
+    """Greedy DSpark outputs of `prompts`, one call after another, and the (start, end) time of the run."""
+    start = time.perf_counter()
+    outputs = [dspark_generate(target, draft, p[None], max_new_tokens=NEW_TOKENS, do_sample=False) for p in prompts]
+    return outputs, (start, time.perf_counter())
+
+
+@functools.cache
+def _single_threaded(name: str, thread: int) -> list[torch.Tensor]:
+    return _decode(TARGETS[name](), fitted_draft(name), _thread_prompts(name, thread))[0]
+
+
+def _in_threads(*jobs):
+    """The results of the jobs (callables), each run in its own thread, all started together."""
+    barrier = threading.Barrier(len(jobs))
+
+    def run(job):
+        barrier.wait()
+        return job()
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return [future.result() for future in [pool.submit(run, job) for job in jobs]]
+
+
+def _routes(kernel) -> set:
+    """The DSpark routes (ContextVars) along a kernel's chain of `functools.wraps` wrappers."""
+    chain = [kernel]
+    while hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    return {getattr(function, KERNEL_ROUTE) for function in chain if hasattr(function, KERNEL_ROUTE)}
+
+
+def _capture_hooks(layer) -> list:
+    return [hook for hook in layer._forward_hooks.values() if hasattr(hook, ACTIVE_CAPTURES)]
+
+
+def _assert_nothing_active_or_nested(target) -> None:
+    """One kernel route, one capture hook per captured layer, and neither holds anything in this context."""
+    routes = _routes(getattr(modeling_kimi_linear, KDA_CHUNK))
+    assert len(routes) == 1 and next(iter(routes)).get() is None
+    for layer in decoder_layers(target):
+        hooks = _capture_hooks(layer)
+        assert len(hooks) <= 1 and all(getattr(hook, ACTIVE_CAPTURES).get() == () for hook in hooks)
+
+
+def _assert_overlapping(spans) -> None:
+    """The threads' runs overlapped in time (torch ops release the GIL, so their forwards interleave)."""
+    assert max(start for start, _ in spans) < min(end for _, end in spans)
+
+
+def test_two_threads_with_their_own_kimi_linear_pairs_get_their_single_threaded_outputs():
+    """Two pairs of the same model type share one modeling module, hence one chunked kernel to intercept."""
+    pair = (TARGETS["kimi_linear"](), fitted_draft("kimi_linear"))
+    pairs = [pair, copy.deepcopy(pair)]
+    results = _in_threads(*(functools.partial(_decode, *pairs[i], _thread_prompts("kimi_linear", i)) for i in (0, 1)))
+    _assert_overlapping([span for _, span in results])
+    for thread, (outputs, _) in enumerate(results):
+        for actual, expected in zip(outputs, _single_threaded("kimi_linear", thread)):
+            assert torch.equal(actual, expected), thread
+    _assert_nothing_active_or_nested(pair[0])
+
+
+@pytest.mark.parametrize("name", ["kimi_linear", "qwen3"])
+def test_two_threads_sharing_one_target_and_draft_get_their_single_threaded_outputs(name):
+    target, draft = TARGETS[name](), fitted_draft(name)
+    results = _in_threads(*(functools.partial(_decode, target, draft, _thread_prompts(name, i)) for i in (0, 1)))
+    _assert_overlapping([span for _, span in results])
+    for thread, (outputs, _) in enumerate(results):
+        for actual, expected in zip(outputs, _single_threaded(name, thread)):
+            assert torch.equal(actual, expected), thread
+    _assert_nothing_active_or_nested(target)
+
+
+def test_feature_capture_records_only_the_forwards_of_its_own_thread():
+    """Two threads capture the same layers of one target around forwards of different lengths, many times."""
+    target = qwen3_target()
+    inputs = [prompt[None] for prompt in random_prompts(2, 5, 9, seed=3)]
+    with torch.no_grad():
+        expected = []
+        for input_ids in inputs:
+            with TargetFeatureCapture(target, [0, 2]) as capture:
+                target(input_ids)
+                expected.append(capture.features())
+
+    def capture_repeatedly(thread: int):
+        start = time.perf_counter()
+        for _ in range(100):
+            with TargetFeatureCapture(target, [0, 2]) as capture, torch.no_grad():
+                target(inputs[thread])
+                assert torch.equal(capture.features(), expected[thread]), thread
+        return start, time.perf_counter()
+
+    _assert_overlapping(_in_threads(*(functools.partial(capture_repeatedly, i) for i in (0, 1))))
+
+
+def _plain_greedy(target, prompt):
+    output = target.generate(prompt[None], max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                             output_logits=True)
+    return output.sequences, torch.stack(output.logits)
+
+
+def test_outside_dspark_calls_plain_generate_is_bitwise_unchanged_and_nothing_accumulates(monkeypatch, tmp_path):
+    """Plain greedy generate (tokens and logits) is the same with the DSpark kernel route and capture hooks in
+    place as with the original kernel and no hooks; many calls through two copies of this code (the package and a
+    remote-code copy) install one route and one hook per captured layer."""
+    target = kimi_linear_target.__wrapped__()  # a fresh instance, no capture hooks yet
+    prompt = agreeing_prompts("kimi_linear", 1, seed=5)[0]
+    kernel = getattr(modeling_kimi_linear, KDA_CHUNK)
+    with monkeypatch.context() as patch:
+        patch.setattr(modeling_kimi_linear, KDA_CHUNK, kernel.__wrapped__ if hasattr(kernel, KERNEL_ROUTE) else kernel)
+        expected_tokens, expected_logits = _plain_greedy(target, prompt)
+
+    draft = fitted_draft("kimi_linear")
+    draft.save_pretrained(tmp_path)
+    remote_draft = AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
+    remote = sys.modules[type(remote_draft).__module__.rsplit(".", 1)[0] + ".generation_utils"]
+    for generate, assistant in [(dspark_generate, draft), (remote.dspark_generate, remote_draft)] * 3:
+        generate(target, assistant, prompt[None], max_new_tokens=8, do_sample=False)
+    _assert_nothing_active_or_nested(target)
+    assert [len(_capture_hooks(layer)) for layer in decoder_layers(target)] == [0, 0, 0, 1, 0, 0, 0, 1]  # [3, 7]
+
+    tokens, logits = _plain_greedy(target, prompt)
+    assert torch.equal(tokens, expected_tokens) and torch.equal(logits, expected_logits)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_call_interrupted_inside_a_verify_forward_leaves_nothing_active():
+    target, draft = TARGETS["kimi_linear"](), fitted_draft("kimi_linear")
+    prompt = agreeing_prompts("kimi_linear", 1, seed=6)[0][None]
+    expected = dspark_generate(target, draft, prompt, max_new_tokens=16, do_sample=False)
+    forwards = itertools.count()
+
+    def interrupt_the_second_verify(module, args, output):
+        if next(forwards) == 2:  # forwards: prefill, verify, verify
+            raise Interrupted
+
+    handle = decoder_layers(target)[1].register_forward_hook(interrupt_the_second_verify)  # a KDA layer
+    try:
+        with pytest.raises(Interrupted):
+            dspark_generate(target, draft, prompt, max_new_tokens=16, do_sample=False)
+    finally:
+        handle.remove()
+    assert next(forwards) == 3
+    _assert_nothing_active_or_nested(target)
+    assert torch.equal(dspark_generate(target, draft, prompt, max_new_tokens=16, do_sample=False), expected)
