@@ -329,6 +329,17 @@ def test_offline_training_from_cached_features_follows_the_online_run(workspace)
         torch.testing.assert_close(offline[name], online[name], rtol=1e-4, atol=1e-5)
 
 
+def test_bf16_autocast_trains_the_same_model_in_mixed_precision(workspace):
+    """--autocast bf16 keeps float32 weights and follows the float32 run within bfloat16 rounding."""
+    train(workspace, "dspark", "autocast", *OFFLINE_FLAGS, "--features-cache", str(workspace / "cache-fp32"),
+          "--cache-dtype", "fp32", "--autocast", "bf16")
+    mixed, full = losses(workspace / "autocast"), losses(workspace / "offline")
+    torch.testing.assert_close(mixed, full, rtol=2e-2, atol=0)
+    assert mixed != full  # the matmuls did run in bfloat16
+    weights = load_file(workspace / "autocast" / "final" / "model.safetensors")
+    assert all(tensor.dtype == torch.float32 for tensor in weights.values())
+
+
 def test_feature_cache_resumes_a_partial_build_and_refuses_other_settings(workspace, monkeypatch):
     cache = workspace / "cache-chunks"
     train(workspace, "dspark", "cached", *OFFLINE_FLAGS, "--features-cache", str(cache))

@@ -292,7 +292,7 @@ class Trainer:
             return target_forward(self.target, input_ids, self.layer_ids, self.device)
         features, last_hidden = self.cache.batch(indices, input_ids.shape[1])
         lm_head = self.target.get_output_embeddings()
-        with torch.no_grad():
+        with torch.no_grad(), self.autocast():
             logits = lm_head(last_hidden.to(self.device, lm_head.weight.dtype)).float()
         return logits, features.to(self.device)
 
@@ -333,6 +333,11 @@ class Trainer:
         if self.is_main:
             print(f"resumed from {path} at step {self.step}")
 
+    def autocast(self):
+        """--autocast bf16: the draft's matmuls (its layers, the shared LM head) in bfloat16, weights, softmaxes
+        and the loss in float32 (mixed precision, as GPU training runs); a no-op otherwise."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.args.autocast == "bf16")
+
     # -- one optimiser step
     def train_step(self) -> dict[str, float]:
         args = self.args
@@ -345,7 +350,7 @@ class Trainer:
             target_logits, features = self.target_outputs(indices, input_ids)
             generator.manual_seed(args.seed * 1_000_003 + index)  # anchors: a function of the micro-batch
             last = micro == args.grad_accum - 1
-            with nullcontext() if last or self.world_size == 1 else self.distributed_loss.no_sync():
+            with nullcontext() if last or self.world_size == 1 else self.distributed_loss.no_sync(), self.autocast():
                 metrics = self.distributed_loss(input_ids, loss_mask, target_logits, features, generator)
                 (metrics["loss"] / args.grad_accum).backward()  # DDP averages the gradients over the processes
             totals += torch.tensor([float(metrics[name].detach()) for name in METRICS] + [float(loss_mask.sum())])
@@ -484,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--weight-decay", type=float, default=0.0)
     optim.add_argument("--grad-clip", type=float, default=1.0)
     optim.add_argument("--num-anchors", type=int, default=512, help="anchors (blocks) per sequence")
+    optim.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                       help="mixed precision of the draft's forward and backward (weights stay float32)")
     optim.add_argument("--seed", type=int, default=0)
     run = parser.add_argument_group("run")
     run.add_argument("--out", default="runs/dspark", help="run folder: log, checkpoints, summary")
