@@ -179,8 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> None:
-    print(json.dumps(build(build_parser().parse_args(argv)), indent=2))
+def main(argv=None) -> dict:
+    report = build(build_parser().parse_args(argv))
+    print(json.dumps(report, indent=2))
+    return report
 
 
 if __name__ == "__main__":

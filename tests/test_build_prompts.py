@@ -1,0 +1,58 @@
+"""tools/build_prompts.py: the chat-model prompt mix keeps every evaluation prompt out."""
+
+import json
+
+from tools import build_prompts
+from tools.chat_format import code_user_turn
+from tools.common import read_jsonl
+
+EVAL_QUESTION = "Tom has 3 apples and buys 5 more apples at the market. How many apples does he have now?"
+SOURCE = '''
+def area_of_circle(radius):
+    """Returns the area of a circle with the given radius."""
+    import math
+    return math.pi * radius ** 2
+
+
+def _private_helper(x):
+    """Returns the private value of x for tests."""
+    y = x
+    return y
+'''
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def test_prompts_sharing_an_ngram_with_an_eval_prompt_are_dropped_but_boilerplate_is_not(tmp_path):
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    # Five HumanEval-style rows share the instruction line (boilerplate); one GSM8K row is a real question.
+    write_jsonl(eval_dir / "humaneval.jsonl", [{"turns": [code_user_turn(f"def task_{i}():\n    pass")]} for i in range(5)])
+    write_jsonl(eval_dir / "gsm8k.jsonl", [{"turns": [EVAL_QUESTION]}])
+    gsm8k = tmp_path / "gsm8k_train.jsonl"
+    write_jsonl(gsm8k, [{"question": EVAL_QUESTION.replace("Tom", "Ann")},  # shares 8-grams: contaminated
+                        {"question": "A farmer plants 12 rows of 9 trees each. How many trees are planted?"}])
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "geometry.py").write_text(SOURCE)
+
+    report = build_prompts.main(["--out", str(tmp_path / "out"), "--gsm8k", str(gsm8k), "--roots",
+                                 str(tmp_path / "src"), "--eval-dir", str(eval_dir), "--per-kind", "10",
+                                 "--heldout-per-kind", "0"])
+    train = read_jsonl(tmp_path / "out" / "train.jsonl")
+    prompts = [row["prompt"] for row in train]
+
+    assert report["kinds"]["math"] == {"candidates": 2, "overlapping_eval": 1, "train": 1, "heldout": 0}
+    assert not any("apples" in prompt for prompt in prompts)
+    code = [row for row in train if row["kind"] == "code"]
+    assert len(code) == 1 and "def area_of_circle(radius):" in code[0]["prompt"]  # the instruction is boilerplate
+    assert report["kinds"]["chat"]["train"] == 10 and report["train_heldout_overlap"] == 0
+
+
+def test_mbpp_style_requests_read_as_tasks():
+    head = 'def area_of_circle(radius):\n    """Returns the area of a circle with the given radius."""'
+    assert build_prompts.mbpp_request(head) == (
+        "Write a python function `area_of_circle` to return the area of a circle with the given radius."
+    )
+    assert build_prompts.mbpp_request('def f():\n    """area."""') is None
