@@ -45,8 +45,8 @@ def test_prompts_sharing_an_ngram_with_an_eval_prompt_are_dropped_but_boilerplat
 
     assert report["kinds"]["math"] == {"candidates": 2, "overlapping_eval": 1, "train": 1, "heldout": 0}
     assert not any("apples" in prompt for prompt in prompts)
-    code = [row for row in train if row["kind"] == "code"]
-    assert len(code) == 1 and "def area_of_circle(radius):" in code[0]["prompt"]  # the instruction is boilerplate
+    code = sorted(row["prompt"] for row in train if row["kind"] == "code")  # the instruction is boilerplate
+    assert len(code) == 2 and "def area_of_circle(radius):" in code[0] + code[1]
     assert report["kinds"]["chat"]["train"] == 10 and report["train_heldout_overlap"] == 0
 
 

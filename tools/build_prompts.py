@@ -78,7 +78,7 @@ def math_prompts(gsm8k_path: str) -> list[dict]:
 
 
 def code_prompts(roots: list[str], max_files: int) -> list[dict]:
-    """Per public function with a docstring (3..40 lines): a HumanEval-style stub, and where the docstring's first
+    """Per function with a docstring (3..40 lines): a HumanEval-style stub, and where the docstring's first
     sentence reads as a task, an MBPP-style request; alternating, one prompt per function."""
     prompts, seen = [], set()
     for index, (relative, real) in enumerate(iter_py_files(roots, 200_000)):
@@ -89,8 +89,8 @@ def code_prompts(roots: list[str], max_files: int) -> list[dict]:
         except (OSError, UnicodeDecodeError):
             continue
         for head, function in extract_pairs(source, 3, 40, 120):
-            if head in seen or re.match(r"(async )?def _|.*\((self|cls)\b", head):
-                continue  # private helpers and methods read poorly as stand-alone tasks
+            if head in seen:
+                continue
             seen.add(head)
             request = mbpp_request(head)
             if request is not None and len(prompts) % 2:
