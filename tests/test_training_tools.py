@@ -138,6 +138,14 @@ def test_resume_from_a_checkpoint_reproduces_the_run(workspace):
     assert losses(workspace / "straight")[2:] == losses(workspace / "resumed")
 
 
+def test_init_from_starts_at_a_saved_drafts_weights(workspace):
+    train(workspace, "dspark", "init", "--max-steps", "1", "--lr", "0", "--init-from",
+          str(workspace / "straight" / "final"))
+    start = load_file(workspace / "straight" / "final" / "model.safetensors")
+    after = load_file(workspace / "init" / "final" / "model.safetensors")
+    assert all(torch.equal(after[name], start[name]) for name in start)  # lr 0: the weights it started from
+
+
 class RunsCodeWhenUnpickled:
     """Pickles to a call of `exec` that creates `marker`: what a hostile training state could hold."""
 

@@ -251,6 +251,8 @@ class Trainer:
         self.target, self.tokenizer = load_target(args.target, self.device, dtype, args.target_device_map)
         builder = build_assistant if args.kind == "assistant" else build_draft
         self.model = builder(args, self.target, self.tokenizer).float().to(self.device).train()
+        if args.init_from:  # a saved draft of this architecture: its weights, with a fresh optimiser and schedule
+            self.model.load_state_dict(load_file(Path(args.init_from) / "model.safetensors", device=str(self.device)))
         self.data = SequenceData(args.data, args.max_length, args.batch_size, self.tokenizer.pad_token_id, args.seed)
         micro_per_step = args.grad_accum * self.world_size
         self.total_steps = args.max_steps or math.ceil(args.epochs * self.data.per_epoch / micro_per_step)
@@ -499,6 +501,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--keep-checkpoints", type=int, default=2)
     run.add_argument("--eval-every", type=int, default=200)
     run.add_argument("--resume", default=None, help="'auto' (latest checkpoint in --out) or a checkpoint folder")
+    run.add_argument("--init-from", default=None,
+                     help="start from the weights of a saved draft folder (same architecture; fresh optimiser and "
+                          "schedule), e.g. to continue training a shipped draft on a new machine")
     return parser
 
 
