@@ -138,6 +138,13 @@ def test_resume_from_a_checkpoint_reproduces_the_run(workspace):
     assert losses(workspace / "straight")[2:] == losses(workspace / "resumed")
 
 
+def test_final_norm_init_sets_the_untrained_drafts_output_scale(workspace):
+    args = train_draft.build_parser().parse_args(["--final-norm-init", "0.1", *TRAIN_FLAGS])
+    target = AutoModelForCausalLM.from_pretrained(workspace / "target")
+    draft = train_draft.build_draft(args, target, AutoTokenizer.from_pretrained(workspace / "target"))
+    assert torch.equal(draft.norm.weight, torch.full_like(draft.norm.weight, 0.1))
+
+
 def test_init_from_starts_at_a_saved_drafts_weights(workspace):
     train(workspace, "dspark", "init", "--max-steps", "1", "--lr", "0", "--init-from",
           str(workspace / "straight" / "final"))

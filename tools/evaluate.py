@@ -46,6 +46,7 @@ from tools.common import (  # noqa: E402
     load_dspark_draft, load_eval_prompts, load_target, reliability_bins, resolve_device, survival,
     round_counts, sampling_kwargs, teacher_forced_rounds, write_json,
 )
+from tools.smollm2 import describe_target  # noqa: E402
 
 DATASETS = ("humaneval", "mbpp", "gsm8k", "math500", "mt-bench", "aime25")
 TRUNCATIONS = ("full", "threshold", "schedule")
@@ -196,7 +197,7 @@ def calibration_summary(target, draft, greedy_answers, bins: int) -> dict | None
 # ---------------------------------------------------------------------------------------------- report
 def markdown(report: dict) -> str:
     lines = ["# Speculative decoding evaluation", "",
-             f"Target `{report['settings']['target']}`, {report['settings']['limit']} prompts per dataset, "
+             f"Target: {report['target_name']}. {report['settings']['limit']} prompts per dataset, "
              f"{report['settings']['max_new_tokens']} new tokens at most. Cells: tau (tokens per target "
              "verification, bonus included) / speedup in tokens per second over the target alone.", ""]
     for temperature, per_dataset in report["results"].items():
@@ -310,6 +311,7 @@ def evaluate(args) -> dict:
         evaluation.run_prompt(dataset, prompt, temperature, args.seed + index)
     report = {
         "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "target_name": describe_target(args.target),
         "results": summarize(evaluation),
         "unsupported": evaluation.unsupported,
         "calibration": calibration_summary(target, drafts.get("dspark"), evaluation.greedy_answers, args.bins),

@@ -104,6 +104,11 @@ def resolve_target(name: str) -> str:
     return str(ensure_smollm2()) if name == ALIAS else name
 
 
+def describe_target(name: str) -> str:
+    """How a report names a --target value: the alias by the exact description of the model it stands for."""
+    return TARGET_NAME if name == ALIAS else name
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=None, help="converted folder (default: %s)" % default_folder())

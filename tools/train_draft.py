@@ -127,7 +127,10 @@ def build_draft(args, target, tokenizer) -> DSparkDraftModel:
         enable_confidence_head=dspark,
         confidence_head_with_markov=dspark and args.markov_rank > 0,
     )
-    return DSparkDraftModel(config)
+    draft = DSparkDraftModel(config)
+    with torch.no_grad():
+        draft.norm.weight.fill_(args.final_norm_init)
+    return draft
 
 
 def build_assistant(args, target, tokenizer):
@@ -481,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="0-based target layers read by the draft (default: --num-target-features evenly spread)")
     model.add_argument("--num-target-features", type=int, default=5)
     model.add_argument("--mask-token", default=chat_format.MASK, help="tokenizer token used as mask_token_id")
+    model.add_argument("--final-norm-init", type=float, default=1.0,
+                       help="initial weight of the draft's final norm. An untrained row is close to its own input "
+                            "embedding, so through a tied LM head it predicts its input token with very large "
+                            "logits; a small value (0.1) starts from a softer distribution (default: %(default)s)")
     optim = parser.add_argument_group("optimisation")
     optim.add_argument("--epochs", type=float, default=1.0)
     optim.add_argument("--max-steps", type=int, default=0, help="optimiser steps (0 = from --epochs)")
