@@ -29,7 +29,8 @@ def test_prompts_sharing_an_ngram_with_an_eval_prompt_are_dropped_but_boilerplat
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     # Five HumanEval-style rows share the instruction line (boilerplate); one GSM8K row is a real question.
-    write_jsonl(eval_dir / "humaneval.jsonl", [{"turns": [code_user_turn(f"def task_{i}():\n    pass")]} for i in range(5)])
+    stubs = [code_user_turn(f"def task_{i}():\n    pass") for i in range(5)]
+    write_jsonl(eval_dir / "humaneval.jsonl", [{"turns": [stub]} for stub in stubs])
     write_jsonl(eval_dir / "gsm8k.jsonl", [{"turns": [EVAL_QUESTION]}])
     gsm8k = tmp_path / "gsm8k_train.jsonl"
     write_jsonl(gsm8k, [{"question": EVAL_QUESTION.replace("Tom", "Ann")},  # shares 8-grams: contaminated

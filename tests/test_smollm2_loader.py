@@ -24,7 +24,7 @@ CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'
 
 def byte_level_tokens() -> list[str]:
     """The special tokens, the 256 byte-level characters of GPT-2's BPE, then the tokens of MERGES."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
     extra = [b for b in range(256) if b not in printable]
     characters = [chr(b) for b in printable] + [chr(256 + i) for i in range(len(extra))]
     return SPECIALS + characters + ["".join(merge.split()) for merge in MERGES]

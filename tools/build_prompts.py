@@ -12,7 +12,8 @@ Three sources, all disjoint from the evaluation sets in eval/ (checked below):
 
 Contamination check: a prompt is dropped when it shares any word `--ngram`-gram (lower-cased words) with
 any turn of any evaluation set, format boilerplate aside (n-grams found in `--boilerplate-rows` or more
-evaluation rows, such as HumanEval's instruction line); the counts are reported. Prompts are deduplicated. Each source is shuffled with `--seed` and split
+evaluation rows, such as HumanEval's instruction line); the counts are reported. Prompts are deduplicated.
+Each source is shuffled with `--seed` and split
 into train and held-out prompts. Output in --out: `train.jsonl`, `heldout.jsonl` (`{"prompt", "kind",
 "source"}` per line, what tools/regenerate_data.py reads) and `prompts.json` (counts, overlap report).
 
@@ -96,7 +97,8 @@ def code_prompts(roots: list[str], max_files: int) -> list[dict]:
             if request is not None and len(prompts) % 2:
                 prompts.append({"prompt": request, "kind": "code", "source": f"mbpp-style:{relative}"})
             else:
-                prompts.append({"prompt": code_user_turn(head), "kind": "code", "source": f"humaneval-style:{relative}"})
+                prompts.append({"prompt": code_user_turn(head), "kind": "code",
+                                "source": f"humaneval-style:{relative}"})
     return prompts
 
 
@@ -157,7 +159,8 @@ def build(args) -> dict:
         rng.shuffle(prompts)  # kinds interleaved: any prefix of a file is a mix
         with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps(p, ensure_ascii=False) + "\n" for p in prompts)
-    report["train_heldout_overlap"] = len({p["prompt"] for p in splits["train"]} & {p["prompt"] for p in splits["heldout"]})
+    train_prompts = {p["prompt"] for p in splits["train"]}
+    report["train_heldout_overlap"] = sum(p["prompt"] in train_prompts for p in splits["heldout"])
     write_json(out / "prompts.json", report)
     return report
 

@@ -12,9 +12,9 @@ Online (the default), every step runs the frozen target once: its layer outputs 
 captured live by forward hooks (TargetFeatureCapture) and its logits come from the same forward. Offline
 (--features-cache DIR, for targets whose forward dominates), the target runs once over the data first and
 its features and final hidden states are stored in DIR (tools/feature_cache.py; built if missing, resumable);
-training then reads them back and takes the target's logits from its LM head, `lm_head(last_hidden)`. DSpark/DFlash use
-`DSparkDraftModel.compute_loss` (anchors, blocks, cumulative masks, exp(-k/4) weights, 0.1 CE + 0.9 L1
-+ 1.0 BCE); the assistant gets 0.1 CE + 0.9 L1 at every response position. The draft shares the
+training then reads them back and takes the target's logits from its LM head, `lm_head(last_hidden)`.
+DSpark/DFlash use `DSparkDraftModel.compute_loss` (anchors, blocks, cumulative masks, exp(-k/4) weights,
+0.1 CE + 0.9 L1 + 1.0 BCE); the assistant gets 0.1 CE + 0.9 L1 at every response position. The draft shares the
 target's frozen embedding and LM head. AdamW (peak --lr 6e-4), 4% linear warmup, cosine to 0, gradient
 clipping 1.0, gradient accumulation, periodic checkpoints, --resume. --dtype bf16 runs the target (the
 bulk of the compute and memory) in bfloat16; the draft keeps float32 weights and compute.
