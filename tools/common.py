@@ -28,6 +28,7 @@ import tools  # noqa: F401  (registers the repository root as the package `dspar
 from dspark.generation_utils import TargetFeatureCapture
 from dspark.modeling_dspark import DSparkDraftModel
 from tools import chat_format
+from tools.smollm2 import resolve_target
 
 REPO_ROOT = tools.REPO_ROOT
 REMOTE_CODE_FILES = ("configuration_dspark.py", "modeling_dspark.py", "generation_utils.py", "kernels.py")
@@ -103,8 +104,6 @@ def apply_threads(args) -> None:
 def load_target(path: str, device: torch.device, dtype: torch.dtype = torch.float32, device_map: str | None = None):
     """(target in eval mode with frozen weights, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from tools.smollm2 import resolve_target
 
     path = resolve_target(path)  # `smollm2`: the cached SmolLM2 folder
     placement = {"device_map": device_map} if device_map else {}
