@@ -380,7 +380,7 @@ def test_two_processes_reach_the_weights_of_one_process_on_the_same_global_batch
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
          str(REPO_ROOT / "tools" / "train_draft.py"), *flags, "--grad-accum", "1",
          "--out", str(workspace / "two-processes"), "--features-cache", str(workspace / "cache-two")],
-        check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+        check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=180,
     )
     one = load_file(workspace / "one-process" / "final" / "model.safetensors")
     two = load_file(workspace / "two-processes" / "final" / "model.safetensors")

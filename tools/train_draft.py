@@ -440,8 +440,15 @@ class Trainer:
             }
             write_json(self.out / "train_summary.json", summary)
         if self.world_size > 1:
-            dist.destroy_process_group()
+            self.close_distributed()
         return summary
+
+    def close_distributed(self) -> None:
+        """Leave the process group together: every rank waits for rank 0's final writes, and DDP (whose reducer
+        holds the group) goes before the group. A gloo rank that tears down alone can hang at exit."""
+        dist.barrier()
+        self.distributed_loss = self.loss
+        dist.destroy_process_group()
 
 
 def init_distributed(args) -> tuple[int, int, torch.device]:
