@@ -462,13 +462,11 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
         frozen_lm_head = {name: p.detach() for name, p in lm_head.named_parameters()}  # gradients reach the draft only
         logits = torch.func.functional_call(lm_head, frozen_lm_head, (hidden.to(_module_dtype(lm_head, hidden.dtype)),))
-        logits = logits[..., : self.config.vocab_size].float()
-        if self.markov_head is not None:
-            logits = logits + self.markov_head(prev_ids).float()
-        target_probs = torch.softmax(target_logits[rows, label_positions - 1].detach().float(), dim=-1)
-        log_probs = torch.log_softmax(logits, dim=-1)
-        cross_entropy = -log_probs.gather(-1, labels[..., None]).squeeze(-1)
-        l1 = (log_probs.exp() - target_probs).abs().sum(-1)
+        markov_logits = self.markov_head(prev_ids) if self.markov_head is not None else None
+        target_rows = target_logits[rows, label_positions - 1].detach()  # [B, N, S, V]
+        cross_entropy, l1, correct = self.distillation_terms(
+            logits[..., : self.config.vocab_size], markov_logits, target_rows, labels
+        )
 
         weights = torch.exp(-offsets.float() / POSITION_DECAY_GAMMA) * valid  # [B, N, S]
         weight_sum = weights.sum().clamp(min=1e-6)
@@ -485,8 +483,30 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             bce = F.binary_cross_entropy_with_logits(confidence_logit, confidence_target, reduction="none")
             confidence_term = weighted(bce)
             loss = loss + CONFIDENCE_WEIGHT * confidence_term
-        accuracy = weighted((logits.argmax(-1) == labels).float())
+        accuracy = weighted(correct.float())
         return DSparkLossOutput(loss, ce_term, l1_term, confidence_term, accuracy, valid.sum())
+
+    @staticmethod
+    def distillation_terms(
+        logits: torch.Tensor,  # [..., V] the draft's LM-head logits
+        markov_logits: torch.Tensor | None,  # [..., V] the Markov head's correction, or None
+        target_logits: torch.Tensor,  # [..., V] the target's logits for the same positions
+        labels: torch.Tensor,  # [...]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per block position: cross-entropy of the label, L1 distance between the draft's and the target's
+        distributions, and whether the draft's top token is the label (all in float32).
+
+        These are the vocabulary-wide passes of the loss, most of a training step's time on a CPU. They are kept
+        in one pure function so that training can compile them into a few fused loops
+        (`tools/train_draft.py --compile`)."""
+        logits = logits.float()
+        if markov_logits is not None:
+            logits = logits + markov_logits.float()
+        log_probs = torch.log_softmax(logits, dim=-1)
+        target_probs = torch.softmax(target_logits.float(), dim=-1)
+        cross_entropy = -log_probs.gather(-1, labels[..., None]).squeeze(-1)
+        l1 = (log_probs.exp() - target_probs).abs().sum(-1)
+        return cross_entropy, l1, logits.argmax(-1) == labels
 
     # ------------------------------------------------------------------ loading
     @classmethod

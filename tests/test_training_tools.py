@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from torch._dynamo.utils import counters
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, KimiLinearConfig, PreTrainedTokenizerFast
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
@@ -352,6 +353,25 @@ def test_bf16_autocast_trains_the_same_model_in_mixed_precision(workspace):
     assert mixed != full  # the matmuls did run in bfloat16
     weights = load_file(workspace / "autocast" / "final" / "model.safetensors")
     assert all(tensor.dtype == torch.float32 for tensor in weights.values())
+
+
+@pytest.mark.parametrize("kind", ["dspark", "assistant"])
+def test_compiled_loss_terms_train_the_same_model(workspace, kind):
+    """--compile fuses the loss's vocabulary-wide passes with torch.compile: same losses and weights as eager."""
+    flags = [*OFFLINE_FLAGS, "--features-cache", str(workspace / "cache-fp32"), "--cache-dtype", "fp32"]
+    if kind == "assistant":
+        flags = ["--max-steps", "3"]  # varying supervised-row counts: the compiled function meets new shapes
+    train(workspace, kind, f"{kind}-eager", *flags)
+    graphs = counters["stats"]["unique_graphs"]
+    train(workspace, kind, f"{kind}-compiled", *flags, "--compile")
+    assert counters["stats"]["unique_graphs"] > graphs  # the terms did run compiled
+    torch.testing.assert_close(losses(workspace / f"{kind}-compiled"), losses(workspace / f"{kind}-eager"),
+                               rtol=1e-5, atol=1e-6)
+    weights = "model.safetensors"
+    eager = load_file(workspace / f"{kind}-eager" / "final" / weights)
+    compiled = load_file(workspace / f"{kind}-compiled" / "final" / weights)
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-5)
 
 
 def test_feature_cache_resumes_a_partial_build_and_refuses_other_settings(workspace):

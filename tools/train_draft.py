@@ -53,7 +53,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -205,21 +204,25 @@ class DraftLoss(nn.Module):
     embedding and LM head are borrowed, frozen.
     """
 
-    def __init__(self, kind: str, model: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module, num_anchors: int):
+    def __init__(self, kind: str, model: nn.Module, embed_tokens: nn.Module, lm_head: nn.Module, num_anchors: int,
+                 compile_terms: bool = False):
         super().__init__()
         self.kind, self.model, self.num_anchors = kind, model, num_anchors
         self.borrowed = {"embed_tokens": embed_tokens, "lm_head": lm_head}  # not submodules: never trained or saved
+        self.distillation_terms = DSparkDraftModel.distillation_terms
+        if compile_terms:  # the vocabulary-wide passes fused by inductor; the draft itself stays eager
+            self.distillation_terms = torch.compile(self.distillation_terms)
+            if kind != "assistant":
+                model.distillation_terms = self.distillation_terms
 
     def forward(self, input_ids, loss_mask, target_logits, features, generator) -> dict[str, torch.Tensor]:
         if self.kind == "assistant":
-            logits = self.model(input_ids).logits[:, :-1].float()
             supervised = loss_mask[:, 1:].bool()
-            labels = input_ids[:, 1:]
-            log_probs = torch.log_softmax(logits[supervised], dim=-1)
-            cross_entropy = F.nll_loss(log_probs, labels[supervised])
-            target_probs = torch.softmax(target_logits[:, :-1][supervised].float(), dim=-1)
-            l1 = (log_probs.exp() - target_probs).abs().sum(-1).mean()
-            accuracy = (log_probs.argmax(-1) == labels[supervised]).float().mean()
+            logits = self.model(input_ids).logits[:, :-1][supervised]
+            cross_entropy, l1, correct = self.distillation_terms(
+                logits, None, target_logits[:, :-1][supervised], input_ids[:, 1:][supervised]
+            )
+            cross_entropy, l1, accuracy = cross_entropy.mean(), l1.mean(), correct.float().mean()
             loss = CE_WEIGHT * cross_entropy + L1_WEIGHT * l1
             return {"loss": loss, "cross_entropy": cross_entropy, "l1": l1,
                     "confidence_bce": torch.zeros((), device=input_ids.device), "accuracy": accuracy}
@@ -270,7 +273,7 @@ class Trainer:
         self.layer_ids = None if args.kind == "assistant" else self.model.config.target_layer_ids
         self.cache = self.build_feature_cache() if args.features_cache else None
         self.loss = DraftLoss(args.kind, self.model, self.target.get_input_embeddings(),
-                              self.target.get_output_embeddings(), args.num_anchors)
+                              self.target.get_output_embeddings(), args.num_anchors, args.compile)
         self.distributed_loss = DistributedDataParallel(self.loss) if self.world_size > 1 else self.loss
 
     # -- the target's side of the loss
@@ -507,6 +510,9 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--num-anchors", type=int, default=512, help="anchors (blocks) per sequence")
     optim.add_argument("--autocast", choices=("none", "bf16"), default="none",
                        help="mixed precision of the draft's forward and backward (weights stay float32)")
+    optim.add_argument("--compile", action="store_true",
+                       help="compile the loss's vocabulary-wide passes (softmaxes, L1, cross-entropy) with "
+                            "torch.compile: about 5x faster on a CPU, after a minute of compiling")
     optim.add_argument("--seed", type=int, default=0)
     run = parser.add_argument_group("run")
     run.add_argument("--out", default="runs/dspark", help="run folder: log, checkpoints, summary")
