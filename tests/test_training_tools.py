@@ -96,11 +96,15 @@ def test_training_data_may_span_several_files(workspace):
 
 
 def test_training_decreases_the_loss_and_saves_the_hub_layout(workspace):
-    summary = train(workspace, "dspark", "dspark", "--max-steps", "12", "--heldout", str(workspace / "regen.jsonl"),
-                    "--heldout-limit", "2", "--eval-every", "12", "--target-layer-ids", "1", "3")
+    heldout = str(workspace / "regen.jsonl")
+    summary = train(workspace, "dspark", "dspark", "--max-steps", "12", "--heldout", heldout, "--heldout-sampled",
+                    heldout, "--heldout-limit", "2", "--eval-every", "12", "--target-layer-ids", "1", "3")
     history = losses(workspace / "dspark")
     assert sum(history[-3:]) / 3 < history[0] - 0.05
     assert summary["heldout_greedy_acceptance_length"] >= 1.0
+    # the sampled held-out set reports the loss parts only (here the same file, so the same figures)
+    assert summary["heldout_sampled_l1"] == summary["heldout_l1"] > 0
+    assert "heldout_sampled_greedy_acceptance_length" not in summary
     final = workspace / "dspark" / "final"
     assert {"config.json", "model.safetensors", *REMOTE_CODE_FILES} <= {p.name for p in final.iterdir()}
     draft = AutoModel.from_pretrained(final, trust_remote_code=True)

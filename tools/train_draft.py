@@ -376,12 +376,20 @@ class Trainer:
         return totals
 
     # -- held-out evaluation
-    @torch.no_grad()
     def evaluate_heldout(self) -> dict[str, float]:
-        """Mean held-out loss parts, plus (DSpark / DFlash) the greedy acceptance length of teacher-forced
-        rounds (the held-out file must hold greedy continuations)."""
+        """The held-out metrics of both held-out files: `heldout_*` (greedy answers) and `heldout_sampled_*`."""
+        result = self.heldout_metrics(self.args.heldout, "heldout", greedy=True)
+        if self.args.heldout_sampled:
+            result.update(self.heldout_metrics(self.args.heldout_sampled, "heldout_sampled", greedy=False))
+        return result
+
+    @torch.no_grad()
+    def heldout_metrics(self, path: str, prefix: str, greedy: bool) -> dict[str, float]:
+        """Mean loss parts over the first --heldout-limit records of `path`, plus, for greedy answers and
+        DSpark / DFlash, the greedy acceptance length of teacher-forced rounds. On sampled answers, 1 - L1 / 2
+        is the mean probability that speculative sampling accepts a draft position (its prefix accepted)."""
         args = self.args
-        records = read_jsonl(args.heldout)[: args.heldout_limit]
+        records = read_jsonl(path)[: args.heldout_limit]
         self.model.eval()
         totals = dict.fromkeys(METRICS, 0.0)
         generator = torch.Generator(self.device).manual_seed(args.seed)
@@ -393,13 +401,13 @@ class Trainer:
             metrics = self.loss(input_ids, loss_mask, target_logits, features, generator)
             for name in METRICS:
                 totals[name] += float(metrics[name]) / len(records)
-            if args.kind != "assistant":
+            if greedy and args.kind != "assistant":
                 ids = record["input_ids"][: args.max_length]
                 rounds.append(teacher_forced_rounds(self.target, self.model, ids, record["prompt_len"]))
         self.model.train()
-        result = {f"heldout_{name}": value for name, value in totals.items()}
+        result = {f"{prefix}_{name}": value for name, value in totals.items()}
         if rounds:
-            result["heldout_greedy_acceptance_length"] = RoundRecords.concatenate(rounds).acceptance_length()
+            result[f"{prefix}_greedy_acceptance_length"] = RoundRecords.concatenate(rounds).acceptance_length()
         return result
 
     def log(self, record: dict) -> None:
@@ -476,6 +484,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="regenerated training data (tools/regenerate_data.py), one or more files")
     data.add_argument("--heldout", default=None,
                       help="regenerated GREEDY held-out data, evaluated every --eval-every steps")
+    data.add_argument("--heldout-sampled", default=None,
+                      help="held-out answers sampled at temperature 1, also evaluated (loss parts only)")
     data.add_argument("--heldout-limit", type=int, default=32, help="held-out sequences per evaluation")
     data.add_argument("--max-length", type=int, default=1024, help="tokens per training sequence (longer ones are cut)")
     data.add_argument("--features-cache", default=None,
