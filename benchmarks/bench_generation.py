@@ -108,14 +108,19 @@ def peak_memory(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
+ROUND_STAGES = ("draft", "verify", "rollback")  # the timed stages of a DSpark round (DSparkStats.time_*)
+
+
 def run_method(name, generate, target, prompts, args, progress, stats_of=None):
-    """Generate every prompt once (after one warm-up) and collect tokens/s, tokens per forward, tau."""
+    """Generate every prompt once (after one warm-up) and collect tokens/s, tokens per forward, tau, and for
+    DSpark the milliseconds per round of each stage."""
     device = torch.device(args.device)
     generate(prompts[0][:, :4], 2)  # warm-up
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     counter = ForwardCounter(target)
-    tokens = seconds = committed = row_rounds = time_rollback = rounds = 0
+    tokens = seconds = committed = row_rounds = rounds = 0
+    stage_seconds = dict.fromkeys(ROUND_STAGES, 0.0)
     outputs = []
     try:
         for prompt in prompts:
@@ -132,7 +137,9 @@ def run_method(name, generate, target, prompts, args, progress, stats_of=None):
             if stats_of is not None:
                 stats = stats_of()
                 committed, row_rounds = committed + stats.committed_tokens, row_rounds + stats.row_rounds
-                time_rollback, rounds = time_rollback + stats.time_rollback, rounds + stats.rounds
+                rounds += stats.rounds
+                for stage in ROUND_STAGES:
+                    stage_seconds[stage] += getattr(stats, f"time_{stage}")
             progress.update(1)
     finally:
         counter.handle.remove()
@@ -143,7 +150,7 @@ def run_method(name, generate, target, prompts, args, progress, stats_of=None):
         "tokens_per_second": tokens / seconds,
         "tokens_per_forward": tokens / max(counter.count, 1),
         "tau": committed / row_rounds if row_rounds else None,
-        "rollback_ms_per_round": 1e3 * time_rollback / rounds if rounds else None,
+        **{f"{stage}_ms_per_round": 1e3 * stage_seconds[stage] / rounds if rounds else None for stage in ROUND_STAGES},
         "peak_memory_mib": peak_memory(device),
         "outputs": outputs,
     }
@@ -200,9 +207,13 @@ def main():
     results += [skipped(name, reason) for name, reason in reasons.items()]
 
     baseline = results[0]
+    target_ms_per_token = 1e3 * baseline["seconds"] / baseline["tokens"]
     for result in results:
         if "tokens_per_second" in result:
             result["speedup"] = result["tokens_per_second"] / baseline["tokens_per_second"]
+            # what a round costs in steps of the target alone: tau must exceed it for a speed-up
+            result["round_cost_in_target_steps"] = None if result["draft_ms_per_round"] is None else (
+                sum(result[f"{stage}_ms_per_round"] for stage in ROUND_STAGES) / target_ms_per_token)
             # greedy only: sampled runs draw different random numbers
             result["same_tokens_as_target"] = None if args.do_sample else result["outputs"] == baseline["outputs"]
     config = draft.config
@@ -222,15 +233,19 @@ def main():
 
     print(f"\n{description} on {args.device}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
           f"{'sampling' if args.do_sample else 'greedy'}; draft context cache {context_bytes / 1024:.2f} KiB/token")
-    print(f"{'method':<24}{'tok/s':>9}{'x target':>10}{'tok/fwd':>9}{'tau':>7}{'rollback ms':>13}{'peak MiB':>10}  same")
+    print(f"target alone: {target_ms_per_token:.1f} ms per token; a round's stages in ms, and its cost in target steps")
+    print(f"{'method':<24}{'tok/s':>9}{'x target':>10}{'tok/fwd':>9}{'tau':>7}{'draft':>8}{'verify':>8}"
+          f"{'rollback':>10}{'steps':>7}{'peak MiB':>10}  same")
     for result in report["results"]:
         if "skipped" in result:
             print(f"{result['method']:<24}skipped: {result['skipped']}")
             continue
-        tau = f"{result['tau']:.2f}" if result["tau"] is not None else "-"
-        rollback = f"{result['rollback_ms_per_round']:.2f}" if result["rollback_ms_per_round"] is not None else "-"
+        cells = {key: "-" if result[key] is None else f"{result[key]:.2f}" for key in (
+            "tau", "draft_ms_per_round", "verify_ms_per_round", "rollback_ms_per_round", "round_cost_in_target_steps")}
         print(f"{result['method']:<24}{result['tokens_per_second']:>9.1f}{result['speedup']:>10.2f}"
-              f"{result['tokens_per_forward']:>9.2f}{tau:>7}{rollback:>13}{result['peak_memory_mib']:>10.0f}  "
+              f"{result['tokens_per_forward']:>9.2f}{cells['tau']:>7}{cells['draft_ms_per_round']:>8}"
+              f"{cells['verify_ms_per_round']:>8}{cells['rollback_ms_per_round']:>10}"
+              f"{cells['round_cost_in_target_steps']:>7}{result['peak_memory_mib']:>10.0f}  "
               f"{ {True: 'yes', False: 'no', None: '-'}[result['same_tokens_as_target']]}")
     print(f"JSON: {args.json}")
 
