@@ -20,10 +20,10 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, KimiLin
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
 from dspark.configuration_dspark import DSparkConfig
 from dspark.generation_utils import _DSparkDecoder, dspark_generate
-from tools import calibrate, chat_format, regenerate_data, train_draft
+from tools import calibrate, chat_format, compare_runs, regenerate_data, train_draft
 from tools.common import (
-    REMOTE_CODE_FILES, REPO_ROOT, RoundRecords, load_training_state, read_jsonl, save_training_state, survival,
-    teacher_forced_rounds,
+    REMOTE_CODE_FILES, REPO_ROOT, RoundRecords, load_eval_prompts, load_training_state, read_jsonl,
+    save_training_state, survival, teacher_forced_rounds,
 )
 from tiny_models import TARGETS, agreeing_prompts, fitted_draft, qwen3_target
 
@@ -127,6 +127,29 @@ def test_dflash_ablation_and_assistant(workspace):
     assistant = AutoModelForCausalLM.from_pretrained(workspace / "assistant" / "final")
     target = AutoModelForCausalLM.from_pretrained(workspace / "target")
     assert torch.equal(assistant.get_input_embeddings().weight, target.get_input_embeddings().weight)  # frozen copy
+
+
+def test_compare_runs_tabulates_geometry_cost_and_heldout_quality(workspace, tmp_path):
+    heldout = str(workspace / "regen.jsonl")
+    train(workspace, "dspark", "compare-dspark", "--max-steps", "2", "--heldout", heldout, "--heldout-sampled",
+          heldout, "--heldout-limit", "2", "--eval-every", "2", "--target-layer-ids", "0", "2")
+    rows = compare_runs.main([str(workspace / "compare-dspark"), "--json", str(tmp_path / "runs.json"),
+                              "--markdown", str(tmp_path / "runs.md")])
+    summary = json.loads((workspace / "compare-dspark" / "train_summary.json").read_text())
+    assert rows == json.loads((tmp_path / "runs.json").read_text())
+    row = rows[0]
+    assert (row["run"], row["kind"], row["num_layers"], row["target_layer_ids"], row["markov_rank"]) == (
+        "compare-dspark", "dspark", 1, [0, 2], 16)
+    assert row["steps"] == 2 and row["seconds_per_step"] == summary["train_seconds"] / 2
+    assert row["heldout_greedy_acceptance_length"] == summary["heldout_greedy_acceptance_length"]
+    assert row["sampled_acceptance"] == 1 - summary["heldout_sampled_l1"] / 2
+    table = (tmp_path / "runs.md").read_text().splitlines()
+    assert table[0].startswith("| run | kind | layers | target layers |") and len(table) == 3
+    assert f"| {row['heldout_greedy_acceptance_length']:.3f} |" in table[2]
+
+    train(workspace, "dflash", "compare-dflash", "--max-steps", "1")  # no held-out evaluation
+    with pytest.raises(SystemExit, match="compare-dflash: its summary has no held-out evaluation; train with --heldout"):
+        compare_runs.main([str(workspace / "compare-dflash")])
 
 
 def test_resume_from_a_checkpoint_reproduces_the_run(workspace):
@@ -316,6 +339,13 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
     assert all(entry["lossless"] == 1.0 for method, entry in greedy.items() if method != "target")
     assert all(1.0 <= entry["tau"] <= 8.0 for entry in greedy.values())
     assert "| dspark/full |" in (out / "eval.md").read_text()
+    assert "Prompts: humaneval 1; 8 new tokens at most." in (out / "eval.md").read_text()
+
+
+def test_limit_0_reads_every_prompt_of_the_evaluation_sets():
+    every = load_eval_prompts(["aime25", "mt-bench"], 0)
+    assert {name: len(prompts) for name, prompts in every.items()} == {"aime25": 30, "mt-bench": 80}
+    assert load_eval_prompts(["aime25"], 2)["aime25"] == every["aime25"][:2]
 
 
 def test_demo_runs_both_pairs(workspace, capsys):

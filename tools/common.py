@@ -144,13 +144,13 @@ def chat_prompt_ids(tokenizer, user_turn: str) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-def load_eval_prompts(datasets: list[str], limit: int | None, eval_dir: str | Path = EVAL_DIR) -> dict[str, list[str]]:
-    """First user turn of the first `limit` rows of each shipped set (MT-Bench's second turns need the
-    model's own first answer and are left out)."""
+def load_eval_prompts(datasets: list[str], limit: int, eval_dir: str | Path = EVAL_DIR) -> dict[str, list[str]]:
+    """First user turn of the first `limit` rows (0: every row) of each shipped set (MT-Bench's second turns
+    need the model's own first answer and are left out)."""
     prompts = {}
     for name in datasets:
         rows = read_jsonl(Path(eval_dir) / f"{name}.jsonl")
-        prompts[name] = [row["turns"][0] for row in rows[:limit]]
+        prompts[name] = [row["turns"][0] for row in rows[: limit or None]]
     return prompts
 
 

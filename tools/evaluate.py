@@ -195,9 +195,16 @@ def calibration_summary(target, draft, greedy_answers, bins: int) -> dict | None
 
 
 # ---------------------------------------------------------------------------------------------- report
+def prompt_counts(report: dict) -> str:
+    """'humaneval 2, gsm8k 2, ...': the prompts each dataset contributed (the same at every temperature)."""
+    per_dataset = next(iter(report["results"].values()))
+    return ", ".join(f"{dataset} {entries['target']['prompts']}" for dataset, entries in per_dataset.items()
+                     if dataset != "all")
+
+
 def markdown(report: dict) -> str:
     lines = ["# Speculative decoding evaluation", "",
-             f"Target: {report['target_name']}. {report['settings']['limit']} prompts per dataset, "
+             f"Target: {report['target_name']}. Prompts: {prompt_counts(report)}; "
              f"{report['settings']['max_new_tokens']} new tokens at most. Cells: tau (tokens per target "
              "verification, bonus included) / speedup in tokens per second over the target alone.", ""]
     for temperature, per_dataset in report["results"].items():
@@ -332,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-lookup", type=int, default=7, help="prompt-lookup tokens per round (0 = skip)")
     parser.add_argument("--datasets", nargs="+", default=list(DATASETS), help="shipped eval sets (default: all)")
     parser.add_argument("--eval-dir", default=str(tools.REPO_ROOT / "eval"), help="folder of the eval JSON lines")
-    parser.add_argument("--limit", type=int, default=10, help="prompts per dataset")
+    parser.add_argument("--limit", type=int, default=10, help="prompts per dataset (0: all of them)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     parser.add_argument("--truncations", nargs="+", choices=TRUNCATIONS, default=list(TRUNCATIONS))
