@@ -195,7 +195,8 @@ class DSparkStats:
     A row-round is one batch row in one verify forward. tau = committed tokens per row-round (accepted
     drafts + the bonus/correction token). `position_tried[k]` counts row-rounds that verified draft k+1 with
     drafts 1..k accepted, `position_accepted[k]` those that accepted it: their ratio is the conditional
-    acceptance of block position k.
+    acceptance of block position k. `rounds_without_draft` counts the rounds of threshold or schedule truncation
+    whose first confidences ruled out every draft, so that the block's logits were never computed.
     """
 
     rollback: str = "crop"
@@ -205,6 +206,7 @@ class DSparkStats:
     committed_tokens: int = 0
     generated_tokens: int = 0
     verify_lengths: list[int] = field(default_factory=list)  # drafts verified per forward (L)
+    rounds_without_draft: int = 0
     position_tried: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
     time_prefill: float = 0.0
@@ -363,6 +365,19 @@ def choose_num_drafts(
     while length < int(max_drafts.max()) and throughput[length + 1] >= throughput[length]:
         length += 1
     return max_drafts.clamp(max=length)
+
+
+def rules_out_every_draft(
+    first_confidences: torch.Tensor,  # [B] c_1 of each row's block
+    max_drafts: torch.Tensor,  # [B]
+    truncation: str,
+    threshold: float = 0.5,
+    sps: SpsCurve | None = None,
+) -> bool:
+    """Whether `choose_num_drafts` will verify no draft of any row, decided from c_1 alone: threshold and schedule
+    both take draft 1 before any later one, and decide it from a_1 = c_1 (schedule stops at the first
+    throughput drop, so when draft 1 lowers the expected throughput no later draft is reached)."""
+    return not choose_num_drafts(first_confidences[:, None], max_drafts.clamp(max=1), truncation, threshold, sps).any()
 
 
 # ------------------------------------------------------------------------------------------ target cache
@@ -961,8 +976,8 @@ class _DSparkDecoder:
         start = time.perf_counter()
         draft_tokens = draft_logits = None
         num_drafts = torch.zeros_like(max_drafts)
-        if int(max_drafts.max()) > 0:
-            block = self._draft(anchors, positions)
+        block = self._draft(anchors, positions, max_drafts) if int(max_drafts.max()) > 0 else None
+        if block is not None:
             confidences = None if block.confidences is None else block.confidences.to(self.device)
             num_drafts = choose_num_drafts(confidences, max_drafts, self.truncation, self.threshold, self.sps)
             draft_tokens = block.tokens.to(self.device).masked_fill(padded[:, None], self.pad_token_id)
@@ -1002,13 +1017,20 @@ class _DSparkDecoder:
         stats.time_draft += time.perf_counter() - start
         return self._keep_unfinished(rows, emitted[index, counts - 1], positions + counts)
 
-    def _draft(self, anchors: torch.Tensor, positions: torch.Tensor):
-        """Draft one block per row (tokens, the logits q they were drawn from, confidences)."""
+    def _draft(self, anchors: torch.Tensor, positions: torch.Tensor, max_drafts: torch.Tensor):
+        """Draft one block per row (tokens, the logits q they were drawn from, confidences), or None when the
+        first confidences rule out every draft (`rules_out_every_draft`): such a round skips the block's logits,
+        the LM head over every position, which is most of a draft's cost when the target is small."""
         draft_anchors = anchors.to(self.draft_device)
         draft_positions = positions.to(self.draft_device)
         embeds, block_positions = self.draft.block_inputs(draft_anchors, draft_positions, self.embed_tokens)
         hidden = self.draft(embeds.to(self.draft_device), block_positions, self.context)
-        seeds = _random_seeds(len(anchors), self.draft_device) if self.do_sample else None
+        seeds = _random_seeds(len(anchors), self.draft_device) if self.do_sample else None  # drawn in every round
+        if self.truncation != "full":
+            first_confidences = self.draft.first_confidences(hidden, draft_anchors).to(self.device)
+            if rules_out_every_draft(first_confidences, max_drafts, self.truncation, self.threshold, self.sps):
+                self.stats.rounds_without_draft += 1
+                return None
         return self.draft.draft_block(hidden, draft_anchors, self.lm_head, self.temperature, seeds)
 
     def _process(self, rows: torch.Tensor, verify_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

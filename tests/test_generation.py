@@ -23,6 +23,7 @@ from tiny_models import (
 from transformers import Qwen3Config, Qwen3ForCausalLM, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
+from dspark import generation_utils
 from dspark.generation_utils import SpsCurve, TargetCache, dspark_generate
 from dspark.modeling_dspark import DSparkDraftModel
 
@@ -255,3 +256,68 @@ def test_sampling_matches_the_target_distribution(settings):
         with torch.no_grad():
             unprocessed = _exact_marginals(target, prompt, warpers[:1], num_tokens=3)
         assert float(0.5 * (unprocessed - exact).abs().sum(-1).max()) > 2 * TV_TOLERANCE
+
+
+@pytest.mark.parametrize("truncation", ["threshold", "schedule"])
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_rounds_whose_first_confidence_rules_out_every_draft_skip_the_block_logits(truncation, do_sample):
+    """Threshold and schedule decide draft 1 from c_1 alone, so a round in which no row would verify it stops
+    after the backbone, before the LM head: the same tokens, verify lengths and acceptance as drafting every
+    block (the sampling runs draw the same random numbers), with fewer blocks drafted."""
+    target, draft = TARGETS["qwen3"](), fitted_draft("qwen3")
+    input_ids, attention_mask = left_pad(agreeing_prompts("qwen3", 2, seed=5) + random_prompts(1, 3, 6, seed=5))
+    # The fitted draft's c_1 are 0.81-0.93. Schedule: doubling the tokens of a forward costs 47% of its speed, so
+    # draft 1 pays only when the rows' c_1 average 0.905 or more.
+    steep = SpsCurve({num_tokens: 100.0 / num_tokens**0.93 for num_tokens in range(1, 25)})
+    settings = {"threshold": {"confidence_threshold": 0.9}, "schedule": {"sps_curve": steep}}
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=30, do_sample=do_sample, truncation=truncation,
+                  **settings[truncation])
+
+    def run(gate: bool):
+        drafted_blocks = []
+        draft_block = draft.draft_block
+        draft.draft_block = lambda *args: drafted_blocks.append(1) or draft_block(*args)
+        with pytest.MonkeyPatch.context() as patch:
+            if not gate:
+                patch.setattr(generation_utils, "rules_out_every_draft", lambda *args: False)
+            torch.manual_seed(0)
+            sequences = dspark_generate(target, draft, input_ids, **kwargs)
+        del draft.draft_block
+        return sequences, draft.last_stats, len(drafted_blocks)
+
+    gated, gated_stats, gated_blocks = run(gate=True)
+    every, every_stats, every_blocks = run(gate=False)
+    assert torch.equal(gated, every)
+    assert gated_stats.verify_lengths == every_stats.verify_lengths
+    assert gated_stats.position_accepted == every_stats.position_accepted
+    assert every_stats.rounds_without_draft == 0
+    assert 0 < gated_stats.rounds_without_draft < gated_stats.rounds  # both kinds of round happen
+    assert gated_blocks == every_blocks - gated_stats.rounds_without_draft
+
+
+@pytest.mark.parametrize("truncation", ["threshold", "schedule"])
+def test_the_first_confidences_decide_whether_any_draft_is_verified(truncation):
+    """`rules_out_every_draft(c_1)` is `choose_num_drafts(c_1..c_S) == 0` for every row, whatever c_2..c_S are."""
+    torch.manual_seed(0)
+    curves = [SPS, SpsCurve({num_tokens: 100.0 / num_tokens**0.9 for num_tokens in range(1, 33)})]
+    outcomes = set()
+    for trial in range(400):
+        batch_size = 1 + trial % 4
+        confidences = torch.rand(batch_size, 7) ** 0.3
+        max_drafts = torch.randint(0, 8, (batch_size,))
+        settings = dict(threshold=0.8, sps=curves[trial % 2])
+        ruled_out = generation_utils.rules_out_every_draft(confidences[:, 0], max_drafts, truncation, **settings)
+        chosen = generation_utils.choose_num_drafts(confidences, max_drafts, truncation, **settings)
+        assert ruled_out == bool((chosen == 0).all()), (confidences, max_drafts)
+        outcomes.add(ruled_out)
+    assert outcomes == {True, False}
+
+
+def test_first_confidences_are_the_blocks_first_confidences():
+    draft = fitted_draft("qwen3")
+    draft.config.confidence_temperatures = [1.7, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+    torch.manual_seed(0)
+    hidden, anchors = torch.randn(4, 7, draft.config.hidden_size), torch.randint(100, (4,))
+    lm_head = torch.nn.Linear(draft.config.hidden_size, draft.config.vocab_size, bias=False)
+    block = draft.draft_block(hidden, anchors, lm_head)
+    torch.testing.assert_close(draft.first_confidences(hidden, anchors), block.confidences[:, 0])
