@@ -351,8 +351,8 @@ class DSparkDraftModel(DSparkPreTrainedModel):
 
     def first_confidences(self, hidden_rows: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """c_1 [B] of each row's block from its hidden rows [B, S, H] and anchors [B], without the LM head: the
-        first position's confidence reads h_1 and the anchor only, so a decoder can rule out every draft of a
-        round before paying for the block's logits (`draft_block`)."""
+        first confidence reads the first hidden row and the anchor only, so a decoder can rule out every draft
+        of a round before paying for the block's logits (`draft_block`)."""
         logits = self.confidence_logits(hidden_rows[:, 0], anchor_ids).float()
         temperatures = self.confidence_temperatures()
         return torch.sigmoid(logits if temperatures is None else logits / temperatures[0])
