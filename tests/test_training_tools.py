@@ -348,6 +348,14 @@ def test_limit_0_reads_every_prompt_of_the_evaluation_sets():
     assert load_eval_prompts(["aime25"], 2)["aime25"] == every["aime25"][:2]
 
 
+def test_evaluate_refuses_a_negative_limit(capsys):
+    from tools import evaluate
+
+    with pytest.raises(SystemExit):
+        evaluate.main(["--limit", "-3"])
+    assert "--limit -3: give a number of prompts per dataset, or 0 for all of them" in capsys.readouterr().err
+
+
 def test_demo_runs_both_pairs(workspace, capsys):
     import demo
 

@@ -350,7 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.limit < 0:
+        parser.error(f"--limit {args.limit}: give a number of prompts per dataset, or 0 for all of them")
     apply_threads(args)
     report = evaluate(args)
     print(markdown(report))
