@@ -275,14 +275,13 @@ def test_rounds_whose_first_confidence_rules_out_every_draft_skip_the_block_logi
 
     def run(gate: bool):
         drafted_blocks = []
-        draft_block = draft.draft_block
-        draft.draft_block = lambda *args: drafted_blocks.append(1) or draft_block(*args)
-        with pytest.MonkeyPatch.context() as patch:
+        draft_block = type(draft).draft_block
+        with pytest.MonkeyPatch.context() as patch:  # undone even if generation raises
+            patch.setattr(type(draft), "draft_block", lambda *args: drafted_blocks.append(1) or draft_block(*args))
             if not gate:
                 patch.setattr(generation_utils, "rules_out_every_draft", lambda *args: False)
             torch.manual_seed(0)
             sequences = dspark_generate(target, draft, input_ids, **kwargs)
-        del draft.draft_block
         return sequences, draft.last_stats, len(drafted_blocks)
 
     gated, gated_stats, gated_blocks = run(gate=True)
