@@ -342,6 +342,43 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
     assert "Prompts: humaneval 1; 8 new tokens at most." in (out / "eval.md").read_text()
 
 
+def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace, monkeypatch):
+    from tools import evaluate
+
+    monkeypatch.setenv("DSPARK_CACHE", str(workspace / "cache"))
+    command = ["--target", str(workspace / "target"), "--draft", str(workspace / "dspark" / "final"),
+               "--datasets", "humaneval", "mbpp", "--limit", "2", "--max-new-tokens", "6", "--truncations", "full",
+               "--prompt-lookup", "0", "--threads", "1"]
+    whole = evaluate.main([*command, "--out", str(workspace / "eval_whole")])
+
+    out = workspace / "eval_resumed"
+    evaluate.main([*command, "--out", str(out), "--temperatures", "0"])  # a different run must not be resumed...
+    with pytest.raises(SystemExit, match=r"--temperatures \(was \[0\.0\], now \[0\.0, 1\.0\]\).*another --out"):
+        evaluate.main([*command, "--out", str(out)])
+    records_path = out / evaluate.RECORDS
+    records_path.unlink()
+    lines = (workspace / "eval_whole" / evaluate.RECORDS).read_text().splitlines(keepends=True)
+    assert len(lines) == 1 + 2 * 2 * 2  # the settings, then temperatures x datasets x prompts
+    records_path.write_text("".join(lines[:4]) + lines[4][:30])  # ...but a killed one is: 3 jobs and a cut line
+
+    ran = []
+    run_prompt = evaluate.Evaluation.run_prompt
+    monkeypatch.setattr(evaluate.Evaluation, "run_prompt",
+                        lambda self, dataset, index, *rest: ran.append((dataset, index)) or run_prompt(
+                            self, dataset, index, *rest))
+    resumed = evaluate.main([*command, "--out", str(out)])
+    assert ran == [("mbpp", 1), ("humaneval", 0), ("humaneval", 1), ("mbpp", 0), ("mbpp", 1)]
+    assert len(records_path.read_text().splitlines()) == len(lines)
+
+    def without_timing(report):
+        return {t: {d: {m: {k: v for k, v in entry.items() if k not in ("tokens_per_s", "speedup")}
+                        for m, entry in methods.items()} for d, methods in per_dataset.items()}
+                for t, per_dataset in report["results"].items()}
+
+    assert without_timing(resumed) == without_timing(whole)
+    assert resumed["calibration"]["rounds"] == whole["calibration"]["rounds"]
+
+
 def test_limit_0_reads_every_prompt_of_the_evaluation_sets():
     every = load_eval_prompts(["aime25", "mt-bench"], 0)
     assert {name: len(prompts) for name, prompts in every.items()} == {"aime25": 30, "mt-bench": 80}

@@ -20,7 +20,11 @@ length. The calibration diagram compares the DSpark survival (with the config's 
 all temperatures 1) to the prefix-accept mask of the greedy rounds that decoding runs on the target's
 temperature-0 answers (`RoundRecords.decoded`).
 
-Outputs in --out: eval.json, eval.md, tau.png, acceptance.png, calibration.png.
+Outputs in --out: eval.json, eval.md, tau.png, acceptance.png, calibration.png, and records.jsonl: one line
+per finished job (every method on one prompt at one temperature). A run over all prompts takes days on a CPU:
+rerun the same command after an interruption and it resumes after the last finished job (other settings
+with the same --out are refused). Tokens/s of a job are measured within that job, so speed-ups stay
+same-run ratios across resumes.
 
 Example:
     python tools/evaluate.py --draft embedded/dspark --dflash runs/dflash/final --assistant runs/assistant/final \\
@@ -30,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections import defaultdict
@@ -50,18 +55,17 @@ from tools.smollm2 import describe_target  # noqa: E402
 
 DATASETS = ("humaneval", "mbpp", "gsm8k", "math500", "mt-bench", "aime25")
 TRUNCATIONS = ("full", "threshold", "schedule")
+RECORDS = "records.jsonl"  # in --out: the settings, then one line per finished (temperature, dataset, prompt) job
 
 
 # ---------------------------------------------------------------------------------------------- methods
 class Evaluation:
-    """Runs every method on one prompt and accumulates the per-(temperature, dataset, method) totals."""
+    """Runs every method on one prompt and returns the job's record: per method its counts, to be added up."""
 
     def __init__(self, args, target, tokenizer, drafts: dict, assistant):
         self.args, self.target, self.tokenizer = args, target, tokenizer
         self.drafts, self.assistant = drafts, assistant
-        self.totals = defaultdict(lambda: defaultdict(float))  # (T, dataset, method) -> sums
         self.unsupported: dict[str, str] = {}
-        self.greedy_answers: list[tuple[list[int], int]] = []  # (sequence, prompt length) at temperature 0
 
     def methods(self) -> list[str]:
         names = ["target"]
@@ -93,32 +97,29 @@ class Evaluation:
         tokens = output[0, input_ids.shape[1]:].tolist()
         return tokens, {"verifications": counter.count, "round_tokens": len(tokens)}
 
-    def run_prompt(self, dataset: str, prompt: str, temperature: float, seed: int) -> None:
+    def run_prompt(self, dataset: str, index: int, prompt: str, temperature: float) -> dict:
+        """One job: every method on one prompt at one temperature. At temperature 0 the record keeps the
+        target's answer (the calibration diagram's rounds) and each method's identity to it."""
         input_ids = torch.tensor([chat_prompt_ids(self.tokenizer, prompt)], device=self.target.device)
-        reference = None
+        record = {"temperature": temperature, "dataset": dataset, "index": index, "methods": {}}
         for method in self.methods():
             if method in self.unsupported:
                 continue
             started = time.perf_counter()
             try:
-                tokens, counts = self.generate(method, input_ids, temperature, seed)
+                tokens, counts = self.generate(method, input_ids, temperature, self.args.seed + index)
             except ValueError as error:  # transformers refuses stock assisted generation (stateful target)
                 if method not in ("assistant", "prompt_lookup"):
                     raise
                 self.unsupported[method] = str(error).split("\n")[0]
                 continue
-            seconds = time.perf_counter() - started
-            totals = self.totals[temperature, dataset, method]
-            totals["prompts"] += 1
-            totals["new_tokens"] += len(tokens)
-            totals["seconds"] += seconds
-            add_counts(totals, counts)
-            if method == "target":
-                reference = tokens
-                if temperature == 0:
-                    self.greedy_answers.append((input_ids[0].tolist() + tokens, input_ids.shape[1]))
+            entry = {"new_tokens": len(tokens), "seconds": time.perf_counter() - started, **counts}
+            if method == "target" and temperature == 0:
+                record["greedy_answer"], record["prompt_length"] = input_ids[0].tolist() + tokens, input_ids.shape[1]
             elif temperature == 0:
-                totals["lossless"] += float(tokens == reference)
+                entry["lossless"] = float(tokens == record["greedy_answer"][record["prompt_length"]:])
+            record["methods"][method] = entry
+        return record
 
     def warm_up(self, prompt: str) -> None:
         """One short run of every method, so that first-call costs do not count."""
@@ -145,27 +146,32 @@ def add_counts(totals: dict, counts: dict) -> None:
             totals[key] += value
 
 
-def summarize(evaluation: Evaluation) -> dict:
+def summarize(records: list[dict]) -> dict:
     """results[T][dataset][method] (dataset 'all' pools the others): tau, tokens/s, speedup, lossless and, for
     DSpark / DFlash, the conditional acceptance per block position and the mean tokens per verify forward."""
-    pooled = defaultdict(lambda: defaultdict(float))
-    for (temperature, _, method), totals in evaluation.totals.items():
-        add_counts(pooled[temperature, "all", method], totals)
+    totals = defaultdict(lambda: defaultdict(float))  # (T, dataset, method) -> sums over prompts
+    for pooled in (False, True):  # each dataset, then 'all'
+        for record in records:
+            dataset = "all" if pooled else record["dataset"]
+            for method, counts in record["methods"].items():
+                sums = totals[record["temperature"], dataset, method]
+                sums["prompts"] += 1
+                add_counts(sums, counts)
     results: dict = {}
-    for (temperature, dataset, method), totals in {**evaluation.totals, **pooled}.items():
+    for (temperature, dataset, method), sums in totals.items():
         entry = {
-            "prompts": int(totals["prompts"]),
-            "new_tokens": int(totals["new_tokens"]),
-            "tokens_per_s": totals["new_tokens"] / max(totals["seconds"], 1e-9),
-            "tau": totals["round_tokens"] / max(totals["verifications"], 1),
+            "prompts": int(sums["prompts"]),
+            "new_tokens": int(sums["new_tokens"]),
+            "tokens_per_s": sums["new_tokens"] / max(sums["seconds"], 1e-9),
+            "tau": sums["round_tokens"] / max(sums["verifications"], 1),
         }
         if temperature == 0 and method != "target":
-            entry["lossless"] = totals["lossless"] / max(totals["prompts"], 1)
-        if totals.get("position_tried"):
+            entry["lossless"] = sums["lossless"] / max(sums["prompts"], 1)
+        if sums.get("position_tried"):
             entry["conditional_acceptance"] = [
-                a / t if t else None for a, t in zip(totals["position_accepted"], totals["position_tried"])
+                a / t if t else None for a, t in zip(sums["position_accepted"], sums["position_tried"])
             ]
-            entry["mean_verify_tokens"] = 1 + totals["verified_drafts"] / max(totals["verify_forwards"], 1)
+            entry["mean_verify_tokens"] = 1 + sums["verified_drafts"] / max(sums["verify_forwards"], 1)
         results.setdefault(f"T={temperature:g}", {}).setdefault(dataset, {})[method] = entry
     for per_dataset in results.values():
         for per_method in per_dataset.values():
@@ -300,7 +306,31 @@ def plot(report: dict, out: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+def finished_jobs(path: Path, settings: dict) -> list[dict]:
+    """The records of the jobs an earlier run with the same settings finished in `path` (a rerun resumes
+    there; the file's first line holds the settings). A last line cut short by a killed run is dropped."""
+    if not path.exists():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    header = json.loads(lines[0])["settings"]
+    if header != settings:
+        changed = ", ".join(f"--{key.replace('_', '-')} (was {header.get(key)!r}, now {settings.get(key)!r})"
+                            for key in sorted(header.keys() | settings.keys()) if header.get(key) != settings.get(key))
+        raise SystemExit(f"{path} holds jobs evaluated with other settings: {changed}. Rerun with the same settings "
+                         "to resume, or give another --out.")
+    try:
+        json.loads(lines[-1])
+    except json.JSONDecodeError:
+        lines.pop()
+        path.write_text("".join(lines), encoding="utf-8")
+    return [json.loads(line) for line in lines[1:]]
+
+
 def evaluate(args) -> dict:
+    settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
+    records_path = Path(args.out) / RECORDS
+    job_settings = {key: value for key, value in settings.items() if key != "out"}
+    records = finished_jobs(records_path, job_settings)
     device = resolve_device(args.device)
     target, tokenizer = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
     paths = {"dspark": args.draft, "dflash": args.dflash}
@@ -313,15 +343,25 @@ def evaluate(args) -> dict:
     prompts = load_eval_prompts(args.datasets, args.limit, args.eval_dir)
     evaluation = Evaluation(args, target, tokenizer, drafts, assistant)
     evaluation.warm_up(next(iter(prompts.values()))[0])
-    jobs = [(t, d, i, p) for t in args.temperatures for d, ps in prompts.items() for i, p in enumerate(ps)]
-    for temperature, dataset, index, prompt in tqdm(jobs, desc="evaluate", unit="prompt"):
-        evaluation.run_prompt(dataset, prompt, temperature, args.seed + index)
+    done = {(r["temperature"], r["dataset"], r["index"]) for r in records}
+    jobs = [(t, d, i, p) for t in args.temperatures for d, ps in prompts.items() for i, p in enumerate(ps)
+            if (t, d, i) not in done]
+    if not records_path.exists():
+        records_path.parent.mkdir(parents=True, exist_ok=True)
+        records_path.write_text(json.dumps({"settings": job_settings}) + "\n")
+    with open(records_path, "a", encoding="utf-8") as f:
+        for temperature, dataset, index, prompt in tqdm(jobs, desc="evaluate", unit="prompt", initial=len(done),
+                                                        total=len(done) + len(jobs)):
+            records.append(evaluation.run_prompt(dataset, index, prompt, temperature))
+            f.write(json.dumps(records[-1]) + "\n")
+            f.flush()
+    greedy_answers = [(r["greedy_answer"], r["prompt_length"]) for r in records if "greedy_answer" in r]
     report = {
-        "settings": {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()},
+        "settings": settings,
         "target_name": describe_target(args.target),
-        "results": summarize(evaluation),
+        "results": summarize(records),
         "unsupported": evaluation.unsupported,
-        "calibration": calibration_summary(target, drafts.get("dspark"), evaluation.greedy_answers, args.bins),
+        "calibration": calibration_summary(target, drafts.get("dspark"), greedy_answers, args.bins),
     }
     out = Path(args.out)
     write_json(out / "eval.json", report)
