@@ -6,6 +6,7 @@ AutoModel(trust_remote_code) -> Sequential Temperature Scaling -> evaluation out
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -346,7 +347,9 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
     from tools import evaluate
 
     monkeypatch.setenv("DSPARK_CACHE", str(workspace / "cache"))
-    command = ["--target", str(workspace / "target"), "--draft", str(workspace / "dspark" / "final"),
+    draft_dir = workspace / "draft_to_evaluate"
+    shutil.copytree(workspace / "dspark" / "final", draft_dir)
+    command = ["--target", str(workspace / "target"), "--draft", str(draft_dir),
                "--datasets", "humaneval", "mbpp", "--limit", "2", "--max-new-tokens", "6", "--truncations", "full",
                "--prompt-lookup", "0", "--threads", "1"]
     whole = evaluate.main([*command, "--out", str(workspace / "eval_whole")])
@@ -377,6 +380,11 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
 
     assert without_timing(resumed) == without_timing(whole)
     assert resumed["calibration"]["rounds"] == whole["calibration"]["rounds"]
+
+    config = json.loads((draft_dir / "config.json").read_text())  # a recalibrated draft at the same path
+    (draft_dir / "config.json").write_text(json.dumps({**config, "confidence_temperatures": [2.0] * 7}))
+    with pytest.raises(SystemExit, match=r"--draft sha256 \(was '[0-9a-f]{16}', now '[0-9a-f]{16}'\)"):
+        evaluate.main([*command, "--out", str(out)])
 
 
 def test_limit_0_reads_every_prompt_of_the_evaluation_sets():

@@ -34,6 +34,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -51,10 +52,11 @@ from tools.common import (  # noqa: E402
     load_dspark_draft, load_eval_prompts, load_target, reliability_bins, resolve_device, survival,
     round_counts, sampling_kwargs, teacher_forced_rounds, write_json,
 )
-from tools.smollm2 import describe_target  # noqa: E402
+from tools.smollm2 import describe_target, resolve_target  # noqa: E402
 
 DATASETS = ("humaneval", "mbpp", "gsm8k", "math500", "mt-bench", "aime25")
 TRUNCATIONS = ("full", "threshold", "schedule")
+MODEL_ARGUMENTS = ("target", "draft", "dflash", "assistant")  # folders whose files a resume must find unchanged
 RECORDS = "records.jsonl"  # in --out: the settings, then one line per finished (temperature, dataset, prompt) job
 
 
@@ -306,6 +308,20 @@ def plot(report: dict, out: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- main
+def folder_digest(path: str | None) -> str | None:
+    """sha256 (16 hex digits) of a local model folder's JSON and safetensors files, so that a retrained or
+    recalibrated model at the same path is not resumed over; None for no model or a Hub id."""
+    if not path or not Path(resolve_target(path)).is_dir():
+        return None
+    folder, digest = Path(resolve_target(path)), hashlib.sha256()
+    for file in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+        digest.update(file.name.encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
 def finished_jobs(path: Path, settings: dict) -> list[dict]:
     """The records of the jobs an earlier run with the same settings finished in `path` (a rerun resumes
     there; the file's first line holds the settings). A last line cut short by a killed run is dropped."""
@@ -317,7 +333,7 @@ def finished_jobs(path: Path, settings: dict) -> list[dict]:
         changed = ", ".join(f"--{key.replace('_', '-')} (was {header.get(key)!r}, now {settings.get(key)!r})"
                             for key in sorted(header.keys() | settings.keys()) if header.get(key) != settings.get(key))
         raise SystemExit(f"{path} holds jobs evaluated with other settings: {changed}. Rerun with the same settings "
-                         "to resume, or give another --out.")
+                         f"to resume, or give another --out (or remove {path.name} there to start over).")
     try:
         json.loads(lines[-1])
     except json.JSONDecodeError:
@@ -330,6 +346,7 @@ def evaluate(args) -> dict:
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     records_path = Path(args.out) / RECORDS
     job_settings = {key: value for key, value in settings.items() if key != "out"}
+    job_settings |= {f"{name} sha256": folder_digest(getattr(args, name)) for name in MODEL_ARGUMENTS}
     records = finished_jobs(records_path, job_settings)
     device = resolve_device(args.device)
     target, tokenizer = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
