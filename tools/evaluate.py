@@ -311,9 +311,10 @@ def plot(report: dict, out: Path) -> None:
 def folder_digest(path: str | None) -> str | None:
     """sha256 (16 hex digits) of a local model folder's JSON and safetensors files, so that a retrained or
     recalibrated model at the same path is not resumed over; None for no model or a Hub id."""
-    if not path or not Path(resolve_target(path)).is_dir():
+    folder = Path(resolve_target(path)) if path else None
+    if folder is None or not folder.is_dir():
         return None
-    folder, digest = Path(resolve_target(path)), hashlib.sha256()
+    digest = hashlib.sha256()
     for file in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
         digest.update(file.name.encode())
         with open(file, "rb") as f:
@@ -344,7 +345,8 @@ def finished_jobs(path: Path, settings: dict) -> list[dict]:
 
 def evaluate(args) -> dict:
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
-    records_path = Path(args.out) / RECORDS
+    out = Path(args.out)
+    records_path = out / RECORDS
     job_settings = {key: value for key, value in settings.items() if key != "out"}
     job_settings |= {f"{name} sha256": folder_digest(getattr(args, name)) for name in MODEL_ARGUMENTS}
     records = finished_jobs(records_path, job_settings)
@@ -364,7 +366,7 @@ def evaluate(args) -> dict:
     jobs = [(t, d, i, p) for t in args.temperatures for d, ps in prompts.items() for i, p in enumerate(ps)
             if (t, d, i) not in done]
     if not records_path.exists():
-        records_path.parent.mkdir(parents=True, exist_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
         records_path.write_text(json.dumps({"settings": job_settings}) + "\n")
     with open(records_path, "a", encoding="utf-8") as f:
         for temperature, dataset, index, prompt in tqdm(jobs, desc="evaluate", unit="prompt", initial=len(done),
@@ -380,7 +382,6 @@ def evaluate(args) -> dict:
         "unsupported": evaluation.unsupported,
         "calibration": calibration_summary(target, drafts.get("dspark"), greedy_answers, args.bins),
     }
-    out = Path(args.out)
     write_json(out / "eval.json", report)
     (out / "eval.md").write_text(markdown(report))
     plot(report, out)
