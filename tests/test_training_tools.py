@@ -56,9 +56,13 @@ def workspace(tmp_path_factory):
         for i in range(8):
             prompt = f"def add_{i}(x):\n    '''x + {i}'''"
             f.write(json.dumps({"kind": "pair", "prompt": prompt, "response": "", "source": str(i)}) + "\n")
-    regenerate_data.main(["--target", str(root / "target"), "--corpus", str(root / "corpus.jsonl"), "--out",
-                          str(root / "regen.jsonl"), "--max-new-tokens", "24", "--batch-size", "4", "--threads", "1"])
+    regenerate(root, root / "regen.jsonl", "--batch-size", "4")
     return root
+
+
+def regenerate(workspace, out, *extra: str) -> None:
+    regenerate_data.main(["--target", str(workspace / "target"), "--corpus", str(workspace / "corpus.jsonl"),
+                          "--out", str(out), "--max-new-tokens", "24", "--threads", "1", *extra])
 
 
 def train(workspace, kind: str, out: str, *extra: str) -> dict:
@@ -78,6 +82,22 @@ def test_regenerated_data_is_the_targets_greedy_answer(workspace):
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=0)[0].tolist()
     assert record["input_ids"] == expected[: len(record["input_ids"])]
     assert len(records) == 8 and json.loads((workspace / "regen.meta.json").read_text())["complete"]
+
+
+def test_an_interrupted_regeneration_resumes_after_its_last_whole_batch(workspace, tmp_path):
+    """8 prompts in batches of 3, 3 and 2. A run killed in the second batch left 4 answers and a cut line: the
+    rerun writes the second batch again and the file equals an uninterrupted run's. A rerun of a finished file
+    adds nothing, and one with other settings is refused, naming the difference."""
+    whole, resumed = tmp_path / "whole.jsonl", tmp_path / "resumed.jsonl"
+    regenerate(workspace, whole, "--batch-size", "3")
+    lines = whole.read_text().splitlines(keepends=True)
+    resumed.write_text("".join(lines[:4]) + lines[4][:40])
+    shutil.copy(whole.with_suffix(".meta.json"), resumed.with_suffix(".meta.json"))
+    regenerate(workspace, resumed, "--batch-size", "3")
+    regenerate(workspace, whole, "--batch-size", "3")
+    assert resumed.read_text() == whole.read_text() == "".join(lines) and len(lines) == 8
+    with pytest.raises(SystemExit, match=r"batch_size \(was 3, now 4\).*another --out"):
+        regenerate(workspace, resumed, "--batch-size", "4")
 
 
 def test_skip_prompts_continues_the_data_set_where_it_stopped(workspace):
@@ -356,7 +376,7 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
 
     out = workspace / "eval_resumed"
     evaluate.main([*command, "--out", str(out), "--temperatures", "0"])  # a different run must not be resumed...
-    with pytest.raises(SystemExit, match=r"--temperatures \(was \[0\.0\], now \[0\.0, 1\.0\]\).*another --out"):
+    with pytest.raises(SystemExit, match=r"temperatures \(was \[0\.0\], now \[0\.0, 1\.0\]\).*another --out"):
         evaluate.main([*command, "--out", str(out)])
     records_path = out / evaluate.RECORDS
     records_path.unlink()
@@ -383,7 +403,7 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
 
     config = json.loads((draft_dir / "config.json").read_text())  # a recalibrated draft at the same path
     (draft_dir / "config.json").write_text(json.dumps({**config, "confidence_temperatures": [2.0] * 7}))
-    with pytest.raises(SystemExit, match=r"--draft sha256 \(was '[0-9a-f]{16}', now '[0-9a-f]{16}'\)"):
+    with pytest.raises(SystemExit, match=r"draft sha256 \(was '[0-9a-f]{16}', now '[0-9a-f]{16}'\)"):
         evaluate.main([*command, "--out", str(out)])
 
 
@@ -471,7 +491,7 @@ def test_feature_cache_resumes_a_partial_build_and_refuses_other_settings(worksp
     rebuilt = load_file(chunks[0])
     assert rebuilt.keys() == first.keys() and all(torch.equal(rebuilt[k], first[k]) for k in first)
     assert first["features.0"].dtype == torch.bfloat16 and first["features.0"].shape[-1] == 2 * 64
-    with pytest.raises(SystemExit, match="layer_ids differ"):
+    with pytest.raises(SystemExit, match=r"layer_ids \(was \[1, 3\], now \[2\]\)"):
         train(workspace, "dspark", "other-layers", "--max-steps", "1", "--target-layer-ids", "2",
               "--features-cache", str(cache))
 

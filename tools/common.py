@@ -48,6 +48,25 @@ def write_json(path: str | Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
+def finished_lines(path: Path) -> list[str]:
+    """The lines of a JSON-lines file that a run appending to it finished: a last line that a killed run cut
+    short (every line is written with its newline) is removed from the file."""
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()
+        path.write_text("".join(lines), encoding="utf-8")
+    return lines
+
+
+def refuse_other_settings(path: str | Path, stored: dict, current: dict, remedy: str) -> None:
+    """Stops, naming each setting that differs with both its values, when `path` holds output written with
+    settings other than `current`: a resumable tool continues only what the same settings began."""
+    changed = [f"{key} (was {stored.get(key)!r}, now {current.get(key)!r})"
+               for key in sorted(stored.keys() | current.keys()) if stored.get(key) != current.get(key)]
+    if changed:
+        raise SystemExit(f"{path} holds output written with other settings: {', '.join(changed)}. {remedy}")
+
+
 def save_training_state(path: str | Path, state: dict) -> None:
     """Writes a resumable training state atomically (a crash mid-write leaves the previous file intact).
 

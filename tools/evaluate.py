@@ -48,9 +48,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import tools  # noqa: E402,F401
 from tools.common import (  # noqa: E402
     DTYPES, ForwardCounter, RoundRecords, add_model_arguments, apply_threads, chat_prompt_ids,
-    expected_calibration_error,
-    load_dspark_draft, load_eval_prompts, load_target, reliability_bins, resolve_device, survival,
-    round_counts, sampling_kwargs, teacher_forced_rounds, write_json,
+    expected_calibration_error, finished_lines, load_dspark_draft, load_eval_prompts, load_target,
+    refuse_other_settings, reliability_bins, resolve_device, round_counts, sampling_kwargs, survival,
+    teacher_forced_rounds, write_json,
 )
 from tools.smollm2 import describe_target, resolve_target  # noqa: E402
 
@@ -325,22 +325,14 @@ def folder_digest(path: str | None) -> str | None:
 
 def finished_jobs(path: Path, settings: dict) -> list[dict]:
     """The records of the jobs an earlier run with the same settings finished in `path` (a rerun resumes
-    there; the file's first line holds the settings). A last line cut short by a killed run is dropped."""
+    there; the file's first line holds the settings)."""
     if not path.exists():
         return []
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    header = json.loads(lines[0])["settings"]
-    if header != settings:
-        changed = ", ".join(f"--{key.replace('_', '-')} (was {header.get(key)!r}, now {settings.get(key)!r})"
-                            for key in sorted(header.keys() | settings.keys()) if header.get(key) != settings.get(key))
-        raise SystemExit(f"{path} holds jobs evaluated with other settings: {changed}. Rerun with the same settings "
-                         f"to resume, or give another --out (or remove {path.name} there to start over).")
-    try:
-        json.loads(lines[-1])
-    except json.JSONDecodeError:
-        lines.pop()
-        path.write_text("".join(lines), encoding="utf-8")
-    return [json.loads(line) for line in lines[1:]]
+    header, *records = finished_lines(path)
+    refuse_other_settings(path, json.loads(header)["settings"], settings,
+                          f"Rerun with the same settings to resume, or give another --out (or remove {path.name} "
+                          "there to start over).")
+    return [json.loads(line) for line in records]
 
 
 def evaluate(args) -> dict:

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
 from dspark.generation_utils import TargetFeatureCapture
+from tools.common import refuse_other_settings
 
 CACHE_VERSION = 1
 
@@ -53,13 +54,8 @@ class FeatureCache:
         """Refuse a folder built from other data, another target or other layers."""
         meta = self.folder / "cache.json"
         if meta.exists():
-            stored = json.loads(meta.read_text())
-            if stored != self.identity:
-                changed = sorted(k for k in set(stored) | set(self.identity) if stored.get(k) != self.identity.get(k))
-                raise SystemExit(
-                    f"{self.folder} holds features built with other settings ({', '.join(changed)} differ); "
-                    "pass another --features-cache folder or delete this one."
-                )
+            refuse_other_settings(self.folder, json.loads(meta.read_text()), self.identity,
+                                  "Pass another --features-cache folder, or delete this one.")
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             meta.write_text(json.dumps(self.identity, indent=2) + "\n")

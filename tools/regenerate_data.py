@@ -34,8 +34,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 import tools  # noqa: E402,F401
 from tools.common import (
-    DTYPES, add_model_arguments, apply_threads, chat_prompt_ids, load_target, read_jsonl, resolve_device,
-    sampling_kwargs, write_json,
+    DTYPES, add_model_arguments, apply_threads, chat_prompt_ids, finished_lines, load_target, read_jsonl,
+    refuse_other_settings, resolve_device, sampling_kwargs, write_json,
 )
 
 
@@ -72,8 +72,6 @@ def answer_batch(target, tokenizer, prompts: list[list[int]], max_new_tokens: in
 
 
 def regenerate(args) -> dict:
-    device = resolve_device(args.device)
-    target, tokenizer = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
     out = Path(args.out)
     meta_path = out.with_suffix(".meta.json")
     settings = {
@@ -81,14 +79,13 @@ def regenerate(args) -> dict:
         "max_new_tokens": args.max_new_tokens, "skip_prompts": args.skip_prompts, "max_prompts": args.max_prompts,
         "max_prompt_tokens": args.max_prompt_tokens, "batch_size": args.batch_size, "seed": args.seed,
     }
-    done = 0
-    if out.exists() and meta_path.exists():
-        previous = json.loads(meta_path.read_text())
-        if previous["settings"] != settings:
-            raise SystemExit(f"{out} was generated with other settings ({previous['settings']}); pick another --out.")
-        done = len(read_jsonl(out))
-    elif out.exists():
-        raise SystemExit(f"{out} exists without {meta_path}; remove it or pick another --out.")
+    if out.exists():
+        if not meta_path.exists():
+            raise SystemExit(f"{out} exists without {meta_path}; remove it or pick another --out.")
+        refuse_other_settings(out, json.loads(meta_path.read_text())["settings"], settings,
+                              "Rerun with the same settings to resume, or pick another --out.")
+    device = resolve_device(args.device)
+    target, tokenizer = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
 
     prompts = corpus_prompts(args.corpus, tokenizer, args.max_prompts, args.max_prompt_tokens, args.skip_prompts)
     # Similar lengths share a batch (little padding) within windows of 8 batches, so that any prefix of the
@@ -97,14 +94,20 @@ def regenerate(args) -> dict:
     prompts = [p for start in range(0, len(prompts), window)
                for p in sorted(prompts[start : start + window], key=lambda p: len(p["ids"]))]
     batches = [prompts[i : i + args.batch_size] for i in range(0, len(prompts), args.batch_size)]
+    # A rerun continues after the last batch written whole; one a killed run wrote in part is written again.
+    batch_ends = list(itertools.accumulate(map(len, batches)))
+    written = finished_lines(out) if out.exists() else []
+    done = max(end for end in [0, *batch_ends] if end <= len(written))
+    if done < len(written):
+        out.write_text("".join(written[:done]), encoding="utf-8")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(meta_path, {"settings": settings, "complete": False})
     start, new_tokens = time.time(), 0
     bar = tqdm(total=len(prompts), initial=done, desc="regenerate", unit="prompt")
     with open(out, "a", encoding="utf-8") as f, bar:
-        for index, batch in enumerate(batches):
-            if (index + 1) * args.batch_size <= done:
-                continue
+        for index, (batch, end) in enumerate(zip(batches, batch_ends)):
+            if end <= done:
+                continue  # written by an earlier run
             torch.manual_seed(args.seed + index)
             answers = answer_batch(target, tokenizer, [p["ids"] for p in batch], args.max_new_tokens, args.temperature)
             for prompt, answer in zip(batch, answers):
