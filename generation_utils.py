@@ -93,11 +93,13 @@ REPLAYABLE_KEYWORDS = frozenset(
     {"use_qk_l2norm_in_kernel", "output_final_state", "chunk_size", "cu_seqlens", "use_cache", "output_router_logits"}
 )
 
-# Permanent interception points shared by every copy of this file (remote code is copied once per revision) and
-# found by these attributes: they act only for the DSpark call running in the current context (thread).
-_KERNEL_ROUTE = "_dspark_kernel_route"  # on a wrapped chunk kernel: its ContextVar (interceptor or None)
-_ACTIVE_CAPTURES = "_dspark_active_captures"  # on a layer's capture hook: its ContextVar (tuple of captures)
+# Interception points exist only while DSpark calls use them: a forward hook on each captured target layer (for
+# the span of a `TargetFeatureCapture`) and a wrapper of the target's chunked delta-rule kernel (for the span of a
+# replay forward). The first user installs one and the last removes it, also when it raised; in between it acts
+# only for the DSpark calls running in the current context (thread), through a ContextVar, so concurrent calls
+# share it and every other call of the model is unchanged.
 _INSTALL_LOCK = threading.Lock()
+_KERNEL_ROUTE = "_dspark_kernel_route"  # on a kernel wrapper, for every copy of this file: {"route": ContextVar, "users"}
 
 
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
@@ -118,9 +120,9 @@ class TargetFeatureCapture:
     Used as a context manager around target forwards. `features()` returns the captured layers
     concatenated in `layer_ids` order, [B, T, len(layer_ids) * H], on `device`: those of the LAST forward, so
     read them before another one (a "rerun" rollback, say) replaces them.
-    Call-scoped: each captured layer carries one permanent forward hook (installed by the first capture, a no-op
-    outside captures) that records into the captures active in the current context only, so threads sharing one
-    target each receive the features of their own forwards.
+    Call-scoped: while any capture is open, each captured layer carries one forward hook (registered by the first
+    capture, removed by the last) that records into the captures open in the current context only, so threads
+    sharing one target each receive the features of their own forwards.
     Works for targets dispatched with accelerate (each layer's output lives on that layer's device).
     """
 
@@ -135,18 +137,17 @@ class TargetFeatureCapture:
         self._slots: dict[nn.Module, list[int]] = {}  # layer -> its positions in `layer_ids`
         for slot, index in enumerate(layer_ids):
             self._slots.setdefault(layers[index], []).append(slot)
-        self._active_captures = list(dict.fromkeys(_capture_hook(layer) for layer in self._slots))
         self._outputs: list[torch.Tensor | None] = [None] * len(layer_ids)
-        self._tokens = []
+        self._token = None
 
     def __enter__(self) -> "TargetFeatureCapture":
-        self._tokens = [(active, active.set((*active.get(), self))) for active in self._active_captures]
+        _use_capture_hooks(self._slots)
+        self._token = _open_captures.set((*_open_captures.get(), self))
         return self
 
     def __exit__(self, *exc) -> None:
-        for active, token in reversed(self._tokens):
-            active.reset(token)
-        self._tokens = []
+        _open_captures.reset(self._token)
+        _release_capture_hooks(self._slots)
 
     def record(self, layer: nn.Module, output) -> None:
         """Called by the capture hooks with every layer output of this context's forwards."""
@@ -160,26 +161,33 @@ class TargetFeatureCapture:
         return torch.cat([output.to(device, non_blocking=True) for output in self._outputs], dim=-1)
 
 
-_active_captures = contextvars.ContextVar("dspark_active_captures", default=())
+_open_captures = contextvars.ContextVar("dspark_open_captures", default=())
+_capture_hooks: dict[nn.Module, list] = {}  # captured layer -> [its hook's handle, open captures of the layer]
 
 
 def _record_layer_output(layer: nn.Module, args, output) -> None:
-    """The capture hook: hands a layer's output to the captures active in the current context (usually none)."""
-    for capture in _active_captures.get():
+    """The capture hook: hands a layer's output to the captures open in the current context."""
+    for capture in _open_captures.get():
         capture.record(layer, output)
 
 
-setattr(_record_layer_output, _ACTIVE_CAPTURES, _active_captures)
-
-
-def _capture_hook(layer: nn.Module) -> contextvars.ContextVar:
-    """The ContextVar of `layer`'s capture hook; registers `_record_layer_output` if no copy of this file has."""
+def _use_capture_hooks(layers) -> None:
     with _INSTALL_LOCK:
-        for hook in layer._forward_hooks.values():
-            if hasattr(hook, _ACTIVE_CAPTURES):
-                return getattr(hook, _ACTIVE_CAPTURES)
-        layer.register_forward_hook(_record_layer_output)
-        return _active_captures
+        for layer in layers:
+            entry = _capture_hooks.setdefault(layer, [None, 0])
+            if entry[0] is None:
+                entry[0] = layer.register_forward_hook(_record_layer_output)
+            entry[1] += 1
+
+
+def _release_capture_hooks(layers) -> None:
+    with _INSTALL_LOCK:
+        for layer in layers:
+            entry = _capture_hooks[layer]
+            entry[1] -= 1
+            if not entry[1]:
+                entry[0].remove()
+                del _capture_hooks[layer]
 
 
 def is_dspark_draft(model) -> bool:
@@ -284,13 +292,14 @@ def profile_sps(
     max_tokens_per_row: int,
     context_length: int = 64,
     repeats: int = 3,
+    rollback: str = "auto",
 ) -> SpsCurve:
     """Time verify steps of [batch_size, t] tokens (t = 1 .. max_tokens_per_row) after a context of
-    `context_length` tokens, as the decoder runs them (the target forward and the default rollback of all
-    t tokens); returns the median steps/s per token count (batch_size * t)."""
+    `context_length` tokens, as the decoder runs them (the target forward and the `rollback` of all t tokens);
+    returns the median steps/s per token count (batch_size * t)."""
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
     device, devices = _input_device(target), _devices(target)
-    target_cache = TargetCache(target)
+    target_cache = TargetCache(target, rollback)
     context = torch.randint(vocab_size, (batch_size, context_length), device=device)
     target_cache.forward(context, torch.arange(context_length, device=device).expand(batch_size, -1), num_logits=1)
     target_cache.start_recording()
@@ -312,27 +321,31 @@ def profile_sps(
     return SpsCurve(points)
 
 
-def default_sps_path(target: nn.Module) -> Path:
-    """~/.cache/dspark/sps/<target, dtype, device>.json: one curve per target and hardware."""
+def default_sps_path(target: nn.Module, rollback: str = "auto") -> Path:
+    """~/.cache/dspark/sps/<target, dtype, device, rollback>.json: one curve per target, hardware and rollback."""
     config = target.config.get_text_config(decoder=True)
     device = _input_device(target)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu{torch.get_num_threads()}"
     identity = json.dumps([SPS_PROFILE_VERSION, type(target).__name__, config.to_json_string(), str(target.dtype),
-                           device_name])
+                           device_name, rollback])
     key = hashlib.sha1(identity.encode()).hexdigest()[:16]
     return Path(os.environ.get("DSPARK_CACHE", Path.home() / ".cache" / "dspark")) / "sps" / f"{key}.json"
 
 
 def load_sps_curve(
-    target: nn.Module, batch_size: int, max_tokens_per_row: int, path: str | os.PathLike | None = None
+    target: nn.Module,
+    batch_size: int,
+    max_tokens_per_row: int,
+    path: str | os.PathLike | None = None,
+    rollback: str = "auto",
 ) -> SpsCurve:
-    """The cached SPS curve of this target (`path`, default `default_sps_path`), profiled and saved first if it
-    lacks the token counts of this batch size."""
-    path = Path(path) if path is not None else default_sps_path(target)
+    """The cached SPS curve of this target with this rollback (`path`, default `default_sps_path`), profiled and
+    saved first if it lacks the token counts of this batch size."""
+    path = Path(path) if path is not None else default_sps_path(target, rollback)
     points = SpsCurve.load(path).points if path.exists() else {}
     needed = {batch_size * t for t in range(1, max_tokens_per_row + 1)}
     if not needed <= points.keys():
-        points.update(profile_sps(target, batch_size, max_tokens_per_row).points)
+        points.update(profile_sps(target, batch_size, max_tokens_per_row, rollback=rollback).points)
         SpsCurve(points).save(path)
     return SpsCurve(points)
 
@@ -408,8 +421,9 @@ class TargetCache:
       loops over all 64 rows), and the recurrence is what the target decodes single tokens with.
       Replay relies on the kernel's gating convention, so it accepts only calls whose keywords it knows
       (`REPLAYABLE_KEYWORDS`), checked at the prefill: otherwise "auto" falls back to "rerun" and "replay" raises.
-      The interception is call-scoped: one permanent wrapper per modeling module routes the kernel through a
-      ContextVar set during this cache's forwards, and calls the kernel unchanged in any other context.
+      The interception is call-scoped: a wrapper of the modeling module's kernel, in place only during replay
+      forwards, routes the calls made in this context to this cache, and calls from any other context to the
+      kernel unchanged (`_routed_kernel`).
     - "rerun": snapshot the linear-attention states before the verify, restore them after it and re-run
       the committed tokens through the target (one extra forward, with the model's own kernels; the fallback
       for recurrences this module does not know). All rows commit the batch minimum of accepted drafts,
@@ -446,7 +460,6 @@ class TargetCache:
             )
         self.rollback = rollback
         self._fall_back_to_rerun = rollback == "replay" and requested == "auto"  # if the kernel's keywords are unknown
-        self._kernel_route = _kernel_route(*self.kernels[:2]) if rollback == "replay" else None
         self.slot_mask: torch.Tensor | None = None  # [B, C] 1 where an attention slot holds a committed token
         self.logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._verify: dict = {}  # what the last verify forward left for `commit`
@@ -502,11 +515,8 @@ class TargetCache:
             yield
         elif self.rollback == "replay":  # every forward: the prefill checks the kernel's keywords
             self._verify["replaying"] = verify
-            token = self._kernel_route.set(self._route_chunk_call)
-            try:
+            with _routed_kernel(*self.kernels[:2], self._route_chunk_call):
                 yield
-            finally:
-                self._kernel_route.reset(token)
             self._check_replayable(verify)
         else:
             yield
@@ -603,7 +613,8 @@ class TargetCache:
             layer.crop(-verify_length)
         self.slot_mask = self.slot_mask[:, :-verify_length]
         input_ids = self._verify["input_ids"][:, :num_committed]
-        self.forward(input_ids, self._verify["position_ids"][:, :num_committed], num_logits=1)
+        if num_committed:  # (decoding always commits the anchor; `profile_sps` commits nothing)
+            self.forward(input_ids, self._verify["position_ids"][:, :num_committed], num_logits=1)
         for layer in self.linear_layers:
             _reslice_conv_windows(layer, torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device))
 
@@ -641,29 +652,38 @@ def _delta_rule_kernels(target: nn.Module):
     return None
 
 
-def _kernel_route(module, name: str) -> contextvars.ContextVar:
-    """The ContextVar through which calls of `module.<name>` (a chunked delta-rule kernel) are routed.
+@contextmanager
+def _routed_kernel(module, name: str, interceptor):
+    """Routes the calls of `module.<name>` (a chunked delta-rule kernel) made in this context to
+    `interceptor(kernel, *args, **kwargs)` while the block runs; calls from other contexts reach the kernel.
 
-    Installs, once per module and process, a wrapper that calls the interceptor the variable holds in the calling
-    context, `interceptor(kernel, *args, **kwargs)`, or the kernel itself when it holds none (every call outside a
-    DSpark forward: behaviour unchanged). A wrapper installed by another copy of this file is found (also under
-    other `functools.wraps` wrappers) and shared.
+    The first block installs the wrapper that routes them and the last removes it. Copies of this file (remote code
+    is copied once per revision) share one wrapper: it is found by its mark, also under other `functools.wraps`
+    wrappers. One that another wrapper was installed over cannot be unlinked: it stays, a pass-through.
     """
     with _INSTALL_LOCK:
-        kernel = getattr(module, name)
-        installed = inspect.unwrap(kernel, stop=lambda function: hasattr(function, _KERNEL_ROUTE))
-        if hasattr(installed, _KERNEL_ROUTE):
-            return getattr(installed, _KERNEL_ROUTE)
-        route = contextvars.ContextVar(f"dspark_{name}", default=None)
+        wrapper = inspect.unwrap(getattr(module, name), stop=lambda function: hasattr(function, _KERNEL_ROUTE))
+        if not hasattr(wrapper, _KERNEL_ROUTE):
+            kernel, route = getattr(module, name), contextvars.ContextVar(f"dspark_{name}", default=None)
 
-        @functools.wraps(kernel)
-        def routed_kernel(*args, **kwargs):
-            interceptor = route.get()
-            return kernel(*args, **kwargs) if interceptor is None else interceptor(kernel, *args, **kwargs)
+            @functools.wraps(kernel)
+            def wrapper(*args, **kwargs):
+                routed_to = route.get()
+                return kernel(*args, **kwargs) if routed_to is None else routed_to(kernel, *args, **kwargs)
 
-        setattr(routed_kernel, _KERNEL_ROUTE, route)
-        setattr(module, name, routed_kernel)
-        return route
+            setattr(wrapper, _KERNEL_ROUTE, {"route": route, "users": 0})
+            setattr(module, name, wrapper)
+        state = getattr(wrapper, _KERNEL_ROUTE)
+        state["users"] += 1
+    token = state["route"].set(interceptor)
+    try:
+        yield
+    finally:
+        state["route"].reset(token)
+        with _INSTALL_LOCK:
+            state["users"] -= 1
+            if not state["users"] and getattr(module, name) is wrapper:
+                setattr(module, name, wrapper.__wrapped__)
 
 
 # ------------------------------------------------------------------------------------------------ generation
@@ -767,7 +787,7 @@ def dspark_generate(
             stacklevel=2,
         )
     if truncation == "schedule" and not callable(sps_curve):  # a path or None; curves may come from another module copy
-        sps_curve = load_sps_curve(target, setup.input_ids.shape[0], draft.config.block_size + 1, sps_curve)
+        sps_curve = load_sps_curve(target, setup.input_ids.shape[0], draft.config.block_size + 1, sps_curve, rollback)
 
     decoder = _DSparkDecoder(target, draft, setup, truncation, confidence_threshold, sps_curve, rollback, streamer)
     output = decoder.run()

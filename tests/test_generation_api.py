@@ -273,6 +273,20 @@ def test_sps_profiler_writes_a_curve_that_schedule_then_reuses(tmp_path):
     assert path.stat().st_mtime_ns == written  # profiled once, then read from the cache
 
 
+def test_schedule_profiles_verifies_with_the_rollback_it_decodes_with(tmp_path, monkeypatch):
+    """A stateful target: the profiler times each verify window with the call's rollback and forgets it again (with
+    rerun that restores the state and re-runs nothing), and keeps one cached curve per rollback."""
+    monkeypatch.setenv("DSPARK_CACHE", str(tmp_path))
+    target, draft = TARGETS["qwen3_next"](), fitted_draft("qwen3_next")
+    input_ids = agreeing_prompts("qwen3_next", 1, seed=2)[0][None]
+    expected = target.generate(input_ids, max_new_tokens=12, do_sample=False)
+    for rollback in ("rerun", "replay"):
+        actual = target.generate(input_ids, assistant_model=draft, max_new_tokens=12, do_sample=False,
+                                 truncation="schedule", rollback=rollback)
+        assert torch.equal(actual, expected) and draft.last_stats.rollback == rollback
+    assert len(list((tmp_path / "sps").glob("*.json"))) == 2
+
+
 def test_schedule_stops_at_the_first_throughput_drop():
     confidences = torch.tensor([[0.9, 0.9, 0.1, 0.9, 0.9, 0.9, 0.9]])
     flat = SpsCurve({1: 100.0, 8: 100.0})  # verifying is free: take every draft

@@ -1,7 +1,8 @@
-"""DSpark calls are scoped to their context (thread): the recurrent-state interception (a permanent wrapper of the
-target's chunked kernel) and the feature capture (permanent forward hooks) act only for the DSpark call running in
-the calling thread. Threads decoding with their own pairs, or sharing one target and one draft, each get the output
-they get alone; outside a call, nothing behaves differently and nothing accumulates."""
+"""DSpark calls are scoped to their context (thread): the recurrent-state interception (a wrapper of the target's
+chunked kernel) and the feature capture (forward hooks) are in place only while DSpark calls run, and act only for
+the DSpark call running in the calling thread. Threads decoding with their own pairs, or sharing one target and one
+draft, each get the output they get alone; once no call runs, nothing of DSpark is left on the model, also after a
+call that raised."""
 
 import copy
 import functools
@@ -20,7 +21,7 @@ from transformers import AutoModel
 from dspark.generation_utils import TargetFeatureCapture, decoder_layers, dspark_generate
 
 CALLS_PER_THREAD, NEW_TOKENS = 3, 24
-KERNEL_ROUTE, ACTIVE_CAPTURES = "_dspark_kernel_route", "_dspark_active_captures"  # the installed objects' marks
+KERNEL_ROUTE = "_dspark_kernel_route"  # the mark of the kernel wrapper
 KDA_CHUNK = "chunk_kimi_delta_attention"
 
 
@@ -28,11 +29,14 @@ def _thread_prompts(name: str, thread: int) -> list[torch.Tensor]:
     return agreeing_prompts(name, CALLS_PER_THREAD, seed=10 + thread)
 
 
-def _decode(target, draft, prompts) -> tuple[list[torch.Tensor], tuple[float, float]]:
+def _decode_with(generate, target, draft, prompts) -> tuple[list[torch.Tensor], tuple[float, float]]:
     """Greedy DSpark outputs of `prompts`, one call after another, and the (start, end) time of the run."""
     start = time.perf_counter()
-    outputs = [dspark_generate(target, draft, p[None], max_new_tokens=NEW_TOKENS, do_sample=False) for p in prompts]
+    outputs = [generate(target, draft, p[None], max_new_tokens=NEW_TOKENS, do_sample=False) for p in prompts]
     return outputs, (start, time.perf_counter())
+
+
+_decode = functools.partial(_decode_with, dspark_generate)
 
 
 @functools.cache
@@ -60,18 +64,11 @@ def _routes(kernel) -> set:
     return {getattr(function, KERNEL_ROUTE) for function in chain if hasattr(function, KERNEL_ROUTE)}
 
 
-def _capture_hooks(layer) -> list:
-    return [hook for hook in layer._forward_hooks.values() if hasattr(hook, ACTIVE_CAPTURES)]
-
-
-def _assert_nothing_active_or_nested(target) -> None:
-    """One kernel route (kimi_linear), one capture hook per captured layer; neither holds anything in this context."""
-    if type(target).__module__ == modeling_kimi_linear.__name__:
-        routes = _routes(getattr(modeling_kimi_linear, KDA_CHUNK))
-        assert len(routes) == 1 and next(iter(routes)).get() is None
+def _assert_nothing_installed(target) -> None:
+    """No kernel wrapper (kimi_linear's is the one the tests' stateful targets use) and no capture hook."""
+    assert not _routes(getattr(modeling_kimi_linear, KDA_CHUNK))
     for layer in decoder_layers(target):
-        hooks = _capture_hooks(layer)
-        assert len(hooks) <= 1 and all(getattr(hook, ACTIVE_CAPTURES).get() == () for hook in hooks)
+        assert not [hook for hook in layer._forward_hooks.values() if hook.__name__ == "_record_layer_output"]
 
 
 def _assert_overlapping(spans) -> None:
@@ -88,7 +85,7 @@ def test_two_threads_with_their_own_kimi_linear_pairs_get_their_single_threaded_
     for thread, (outputs, _) in enumerate(results):
         for actual, expected in zip(outputs, _single_threaded("kimi_linear", thread)):
             assert torch.equal(actual, expected), thread
-    _assert_nothing_active_or_nested(pair[0])
+    _assert_nothing_installed(pair[0])
 
 
 @pytest.mark.parametrize("name", ["kimi_linear", "qwen3"])
@@ -99,7 +96,7 @@ def test_two_threads_sharing_one_target_and_draft_get_their_single_threaded_outp
     for thread, (outputs, _) in enumerate(results):
         for actual, expected in zip(outputs, _single_threaded(name, thread)):
             assert torch.equal(actual, expected), thread
-    _assert_nothing_active_or_nested(target)
+    _assert_nothing_installed(target)
 
 
 def test_feature_capture_records_only_the_forwards_of_its_own_thread():
@@ -130,25 +127,27 @@ def _plain_greedy(target, prompt):
     return output.sequences, torch.stack(output.logits)
 
 
-def test_outside_dspark_calls_plain_generate_is_bitwise_unchanged_and_nothing_accumulates(monkeypatch, tmp_path):
-    """Plain greedy generate (tokens and logits) is the same with the DSpark kernel route and capture hooks in
-    place as with the original kernel and no hooks; many calls through two copies of this code (the package and a
-    remote-code copy) install one route and one hook per captured layer."""
-    target = kimi_linear_target.__wrapped__()  # a fresh instance, no capture hooks yet
+def test_two_copies_of_the_code_share_the_interception_and_leave_plain_generate_bitwise_unchanged(tmp_path):
+    """The package and a remote-code copy of it decode with one target in two threads at once (they share one
+    kernel wrapper); afterwards nothing is left installed, and plain greedy generate gives the same tokens and
+    logits as before any DSpark call."""
+    target = kimi_linear_target.__wrapped__()  # a fresh instance
     prompt = agreeing_prompts("kimi_linear", 1, seed=5)[0]
-    kernel = getattr(modeling_kimi_linear, KDA_CHUNK)
-    with monkeypatch.context() as patch:
-        patch.setattr(modeling_kimi_linear, KDA_CHUNK, kernel.__wrapped__ if hasattr(kernel, KERNEL_ROUTE) else kernel)
-        expected_tokens, expected_logits = _plain_greedy(target, prompt)
+    expected_tokens, expected_logits = _plain_greedy(target, prompt)
 
     draft = fitted_draft("kimi_linear")
     draft.save_pretrained(tmp_path)
     remote_draft = AutoModel.from_pretrained(tmp_path, trust_remote_code=True).eval()
     remote = sys.modules[type(remote_draft).__module__.rsplit(".", 1)[0] + ".generation_utils"]
-    for generate, assistant in [(dspark_generate, draft), (remote.dspark_generate, remote_draft)] * 3:
-        generate(target, assistant, prompt[None], max_new_tokens=8, do_sample=False)
-    _assert_nothing_active_or_nested(target)
-    assert [len(_capture_hooks(layer)) for layer in decoder_layers(target)] == [0, 0, 0, 1, 0, 0, 0, 1]  # [3, 7]
+    assert remote.dspark_generate is not dspark_generate
+    prompts = [_thread_prompts("kimi_linear", thread) for thread in (0, 1)]
+    results = _in_threads(functools.partial(_decode, target, draft, prompts[0]),
+                          lambda: _decode_with(remote.dspark_generate, target, remote_draft, prompts[1]))
+    _assert_overlapping([span for _, span in results])
+    for thread, (outputs, _) in enumerate(results):
+        for actual, expected in zip(outputs, _single_threaded("kimi_linear", thread)):
+            assert torch.equal(actual, expected), thread
+    _assert_nothing_installed(target)
 
     tokens, logits = _plain_greedy(target, prompt)
     assert torch.equal(tokens, expected_tokens) and torch.equal(logits, expected_logits)
@@ -175,5 +174,5 @@ def test_a_call_interrupted_inside_a_verify_forward_leaves_nothing_active():
     finally:
         handle.remove()
     assert next(forwards) == 3
-    _assert_nothing_active_or_nested(target)
+    _assert_nothing_installed(target)
     assert torch.equal(dspark_generate(target, draft, prompt, max_new_tokens=16, do_sample=False), expected)
