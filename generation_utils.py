@@ -62,6 +62,7 @@ from transformers.generation import (
     StoppingCriteriaList,
     StopStringCriteria,
     SuppressTokensAtBeginLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
     SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopHLogitsWarper,
@@ -460,6 +461,7 @@ class TargetCache:
             )
         self.rollback = rollback
         self._fall_back_to_rerun = rollback == "replay" and requested == "auto"  # if the kernel's keywords are unknown
+        self.input_device = _input_device(target)
         self.slot_mask: torch.Tensor | None = None  # [B, C] 1 where an attention slot holds a committed token
         self.logits_to_keep = "logits_to_keep" in inspect.signature(target.forward).parameters
         self._verify: dict = {}  # what the last verify forward left for `commit`
@@ -485,9 +487,12 @@ class TargetCache:
         slot_valid: torch.Tensor | None = None,  # [B, T] 1 for real tokens (prompt padding: 0)
         verify: bool = False,
     ) -> torch.Tensor:
-        """One target forward that appends T tokens to the cache; returns the last `num_logits` logits [B, n, V].
+        """One target forward that appends T tokens to the cache; returns the last `num_logits` logits [B, n, V] on
+        the device of `input_ids` (as `generate`, which accepts inputs on the CPU for a target elsewhere).
         `verify=True` prepares the rollback of these tokens (`commit`)."""
-        slot_valid = torch.ones_like(input_ids) if slot_valid is None else slot_valid.long()
+        caller_device = input_ids.device
+        input_ids, position_ids = input_ids.to(self.input_device), position_ids.to(self.input_device)
+        slot_valid = torch.ones_like(input_ids) if slot_valid is None else slot_valid.to(self.input_device).long()
         self.slot_mask = slot_valid if self.slot_mask is None else torch.cat([self.slot_mask, slot_valid], dim=-1)
         kwargs = {"logits_to_keep": num_logits} if self.logits_to_keep else {}
         attention_mask = None if bool(self.slot_mask.all()) else self.slot_mask
@@ -496,7 +501,7 @@ class TargetCache:
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 past_key_values=self.cache, use_cache=True, **kwargs,
             )
-        return outputs.logits[:, -num_logits:]
+        return outputs.logits[:, -num_logits:].to(caller_device)
 
     def start_recording(self) -> None:
         """After the prefill: keep full conv windows until `commit` (so they can be re-sliced per row)."""
@@ -848,6 +853,7 @@ class _GenerationSetup:
         stopping_criteria = target._get_stopping_criteria(
             generation_config, stopping_criteria if stopping_criteria is not None else StoppingCriteriaList(), tokenizer
         )
+        _check_logits_processors(logits_processor)
         return cls(input_ids, attention_mask.long(), generation_config, logits_processor, stopping_criteria)
 
 
@@ -869,6 +875,17 @@ def _check_generation_config(generation_config) -> None:
         )
     if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
         raise ValueError("DSpark: classifier-free guidance (guidance_scale) is not supported; remove guidance_scale.")
+
+
+def _check_logits_processors(logits_processor: LogitsProcessorList) -> None:
+    """Speculative decoding calls each processor once per verified position, also on drafts that are then rejected:
+    right for any processor whose output depends on (input_ids, scores) alone, not for one that keeps state."""
+    if any(isinstance(processor, SynthIDTextWatermarkLogitsProcessor) for processor in logits_processor):
+        raise ValueError(
+            "DSpark: SynthID text watermarking keeps state across its calls (the tokens it was called on), and "
+            "speculative decoding also calls it on drafted tokens that are then rejected, so its watermark would "
+            "differ from plain generate's. Generate without the assistant to watermark with SynthID."
+        )
 
 
 # The logits processors and stopping criteria of transformers known to act row by row: row b of what they return
@@ -1197,11 +1214,16 @@ def _random_seeds(batch_size: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, 2**31 - 1, (batch_size,)).to(device)
 
 
+def execution_device(module: nn.Module) -> torch.device:
+    """Where a module computes: accelerate's execution device if it was dispatched (its weights may be offloaded to
+    the meta device), else the device of its weights."""
+    device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+    return torch.device(device) if device is not None else next(module.parameters()).device
+
+
 def _input_device(target: nn.Module) -> torch.device:
-    """Where a target's inputs go: the embedding's execution device under accelerate, else the model's."""
-    hook = getattr(target.get_input_embeddings(), "_hf_hook", None)
-    device = getattr(hook, "execution_device", None)
-    return torch.device(device) if device is not None else target.device
+    """Where a target's input ids go: its embedding's execution device."""
+    return execution_device(target.get_input_embeddings())
 
 
 def _devices(*models: nn.Module) -> set[torch.device]:

@@ -27,7 +27,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .configuration_dspark import DSparkConfig
-from .generation_utils import install_generate_route
+from .generation_utils import execution_device, install_generate_route
 from .kernels import MarkovBlockSample, markov_block_sample
 
 # Loss weights of the DSpark training recipe (SpecForge defaults).
@@ -339,7 +339,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         block_ids = anchor_ids.new_full((anchor_ids.shape[0], block_size), self.config.mask_token_id)
         block_ids[:, 0] = anchor_ids
         offsets = torch.arange(block_size, device=anchor_positions.device)
-        return embed_tokens(block_ids), anchor_positions[:, None] + offsets
+        return embed_tokens(block_ids.to(execution_device(embed_tokens))), anchor_positions[:, None] + offsets
 
     # ------------------------------------------------------------------ heads
     def confidence_logits(self, hidden_rows: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
@@ -371,7 +371,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         seeds: torch.Tensor | None = None,  # [B] int64, needed when temperature > 0
     ) -> MarkovBlockSample:
         """Draft tokens d_1..d_S, the exact logits q they were drawn from, and the confidences c_k."""
-        base_logits = lm_head(hidden_rows.to(_module_dtype(lm_head, hidden_rows.dtype)))  # [B, S, V]
+        base_logits = lm_head(hidden_rows.to(execution_device(lm_head), _module_dtype(lm_head, hidden_rows.dtype)))
         base_logits = base_logits[..., : self.config.vocab_size].to(self.fc.weight.device)
         confidence_base = confidence_markov_weight = None
         if self.confidence_head is not None:

@@ -29,6 +29,7 @@ from transformers import (
     Qwen3ForCausalLM,
     StoppingCriteria,
     StoppingCriteriaList,
+    SynthIDTextWatermarkingConfig,
 )
 from transformers.generation.streamers import BaseStreamer
 
@@ -163,10 +164,12 @@ def _draft_with(**overrides) -> DSparkDraftModel:
         (lambda: random_draft("qwen3"), {"confidence_threshold": 1.5}, r"confidence_threshold must be in \(0, 1\]"),
         (lambda: random_draft("qwen3"), {"confidence_threshold": float("nan")}, r"\(0, 1\].*got nan"),
         (lambda: random_draft("qwen3"), {"target": falcon_h1_target}, r"FalconH1ForCausalLM keeps linear attention"),
+        (lambda: random_draft("qwen3"), {"do_sample": True, "watermarking_config": SynthIDTextWatermarkingConfig(
+            keys=[3, 5, 7], ngram_len=2)}, r"SynthID text watermarking keeps state.*without the assistant"),
     ],
     ids=["hidden", "vocab", "layers", "beams", "return_sequences", "truncation", "no_confidence_head",
          "hidden_states", "streamer_batch", "threshold_zero", "threshold_above_one", "threshold_nan",
-         "hybrid_cache_layers"],
+         "hybrid_cache_layers", "synthid_watermark"],
 )
 def test_clear_errors_before_any_target_forward(make_draft, kwargs, message):
     kwargs = dict(kwargs)
