@@ -11,6 +11,7 @@ Two engines read this configuration besides transformers:
 The config therefore accepts the DSpark keys from either place and always writes both.
 """
 
+import inspect
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -201,6 +202,21 @@ class DSparkConfig(PreTrainedConfig):
             self.confidence_temperatures = [float(t) for t in self.confidence_temperatures]
         self._validate_dspark()
 
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs) -> "DSparkConfig":
+        """`PreTrainedConfig.from_dict`, but values given at load time (`from_pretrained(path, block_size=8)`) are
+        checked like config.json's: transformers would set them on the built config, past every check. Such a value
+        replaces the file's in both copies of a DSpark key; `dflash_config={...}` overrides the keys it holds."""
+        config_dict = dict(config_dict)
+        for key in [key for key in kwargs if key in CONFIG_KEYS]:
+            value = kwargs.pop(key)
+            overrides = value if key == "dflash_config" and isinstance(value, dict) else {key: value}
+            config_dict.update(overrides)
+            if isinstance(config_dict.get("dflash_config"), dict):
+                nested = {k: v for k, v in overrides.items() if k in DSPARK_KEYS}
+                config_dict["dflash_config"] = {**config_dict["dflash_config"], **nested}
+        return super().from_dict(config_dict, **kwargs)
+
     @property
     def dflash_config(self) -> dict:
         """The nested copy of the DSpark keys that SpecForge reads."""
@@ -261,6 +277,10 @@ class DSparkConfig(PreTrainedConfig):
             fail("rope_theta", "must be positive.")
         if self.hidden_act not in ACT2FN:
             fail("hidden_act", "unknown activation; use one of transformers' ACT2FN names, e.g. 'silu'.")
+
+
+# The keys DSparkConfig itself reads (its arguments and the DSpark keys), as opposed to PreTrainedConfig's.
+CONFIG_KEYS = frozenset(inspect.signature(DSparkConfig.__init__).parameters) - {"self", "kwargs"} | set(DSPARK_KEYS)
 
 
 def _fail(key: str, value, rule: str) -> None:

@@ -26,7 +26,7 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .configuration_dspark import DSparkConfig
+from .configuration_dspark import CONFIG_KEYS, DSparkConfig
 from .generation_utils import execution_device, install_generate_route
 from .kernels import MarkovBlockSample, markov_block_sample
 
@@ -352,10 +352,19 @@ class DSparkDraftModel(DSparkPreTrainedModel):
     def first_confidences(self, hidden_rows: torch.Tensor, anchor_ids: torch.Tensor) -> torch.Tensor:
         """c_1 [B] of each row's block from its hidden rows [B, S, H] and anchors [B], without the LM head: the
         first confidence reads the first hidden row and the anchor only, so a decoder can rule out every draft
-        of a round before paying for the block's logits (`draft_block`)."""
-        logits = self.confidence_logits(hidden_rows[:, 0], anchor_ids).float()
+        of a round before paying for the block's logits. Computed as `draft_block` computes it (float32)."""
+        logits, markov_weight = self._confidence_projection(hidden_rows[:, 0])
+        if markov_weight is not None:
+            logits = logits + self.markov_head.markov_w1(anchor_ids).float() @ markov_weight
         temperatures = self.confidence_temperatures()
         return torch.sigmoid(logits if temperatures is None else logits / temperatures[0])
+
+    def _confidence_projection(self, hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The confidence logit's parts in float32, as the Markov kernels take them: proj_h . h + bias [..] of hidden
+        rows [.., H], and the weight [r] of w1[prev] (None when the head does not read it)."""
+        weight = self.confidence_head.proj.weight[0].float()
+        base = hidden_rows.float() @ weight[: self.config.hidden_size] + self.confidence_head.proj.bias.float()
+        return base, (weight[self.config.hidden_size :] if self.config.confidence_head_with_markov else None)
 
     def confidence_temperatures(self) -> torch.Tensor | None:
         temperatures = self.config.confidence_temperatures
@@ -375,11 +384,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         base_logits = base_logits[..., : self.config.vocab_size].to(self.fc.weight.device)
         confidence_base = confidence_markov_weight = None
         if self.confidence_head is not None:
-            weight = self.confidence_head.proj.weight[0]
-            confidence_base = hidden_rows.float() @ weight[: self.config.hidden_size].float()
-            confidence_base = confidence_base + self.confidence_head.proj.bias.float()
-            if self.config.confidence_head_with_markov:
-                confidence_markov_weight = weight[self.config.hidden_size :]
+            confidence_base, confidence_markov_weight = self._confidence_projection(hidden_rows)
         markov = self.markov_head
         return markov_block_sample(
             base_logits,
@@ -471,7 +476,7 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         frozen_lm_head = {name: p.detach() for name, p in lm_head.named_parameters()}  # gradients reach the draft only
         logits = torch.func.functional_call(lm_head, frozen_lm_head, (hidden.to(_module_dtype(lm_head, hidden.dtype)),))
         markov_logits = self.markov_head(prev_ids) if self.markov_head is not None else None
-        target_rows = target_logits[rows, label_positions - 1].detach()  # [B, N, S, V]
+        target_rows = target_logits[rows, label_positions - 1, : self.config.vocab_size].detach()  # [B, N, S, V]
         cross_entropy, l1, correct = self.distillation_terms(
             logits[..., : self.config.vocab_size], markov_logits, target_rows, labels
         )
@@ -563,8 +568,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
         elif state_dict is not None:
             _refuse_non_float(checkpoint, {n: str(t.dtype) for n, t in state_dict.items() if not t.is_floating_point()})
         if state_dict is not None:  # transformers takes either a path or a state dict
-            if checkpoint is not None:
-                kwargs.setdefault("config", cls.config_class.from_pretrained(checkpoint, **_hub_lookup(kwargs)))
+            if checkpoint is not None and "config" not in kwargs:  # with the config values given at load time
+                overrides = {key: kwargs.pop(key) for key in list(kwargs) if key in CONFIG_KEYS}
+                kwargs["config"] = cls.config_class.from_pretrained(checkpoint, **_hub_lookup(kwargs), **overrides)
             pretrained_model_name_or_path, state_dict = None, cls.normalize_state_dict(state_dict)
         model, loading_info = super().from_pretrained(
             pretrained_model_name_or_path, *model_args, state_dict=state_dict, output_loading_info=True, **kwargs

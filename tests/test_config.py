@@ -98,6 +98,22 @@ def test_reads_either_layout_and_writes_both(layout, tmp_path):
     assert DSparkConfig.from_pretrained(tmp_path).to_dict() == config.to_dict()
 
 
+def test_values_given_at_load_time_are_checked_and_set_both_copies(tmp_path):
+    """`from_pretrained(path, key=value)`: transformers would set such values after every check."""
+    DSparkConfig(**tiny_kwargs()).save_pretrained(tmp_path)
+    loaded = DSparkConfig.from_pretrained(tmp_path, block_size=6, confidence_temperatures=None)
+    assert loaded.block_size == loaded.dflash_config["block_size"] == 6
+    nested = DSparkConfig.from_pretrained(tmp_path, dflash_config={"markov_rank": 8})
+    assert nested.markov_rank == nested.to_dict()["dflash_config"]["markov_rank"] == 8
+    for override, message in [({"block_size": 1}, "`block_size` = 1: must be at least 2"),
+                              ({"markov_rank": 0}, "requires a Markov head"),
+                              ({"mask_token_id": 64}, "`mask_token_id` = 64: must be a token id inside"),
+                              ({"block_size": "7"}, "`block_size` = '7': must be an integer"),
+                              ({"dflash_config": {"target_layer_ids": [3, 1]}}, "must be strictly increasing")]:
+        with pytest.raises(ValueError, match=message):
+            DSparkConfig.from_pretrained(tmp_path, **override)
+
+
 def test_top_level_and_nested_values_must_agree():
     with pytest.raises(ValueError, match="`block_size` is 4 at the top level but 6 in `dflash_config`"):
         DSparkConfig(**tiny_kwargs(), dflash_config={"block_size": 6})

@@ -4,6 +4,7 @@ Targets: tiny float32 Qwen3 (dense), DeepseekV3 (MLA), kimi_linear and qwen3_nex
 tiny_models.py.
 """
 
+import copy
 
 import pytest
 import torch
@@ -316,11 +317,13 @@ def test_the_first_confidences_decide_whether_any_draft_is_verified(truncation):
     assert outcomes == {True, False}
 
 
-def test_first_confidences_are_the_blocks_first_confidences():
-    draft = fitted_draft("qwen3")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_first_confidences_are_the_blocks_first_confidences(dtype):
+    """Also for a bf16 draft: both compute the confidence logit in float32 (a bf16 logit would round by ~0.01)."""
+    draft = copy.deepcopy(fitted_draft("qwen3")).to(dtype)
     draft.config.confidence_temperatures = [1.7, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]
     torch.manual_seed(0)
-    hidden, anchors = torch.randn(4, 7, draft.config.hidden_size), torch.randint(100, (4,))
-    lm_head = torch.nn.Linear(draft.config.hidden_size, draft.config.vocab_size, bias=False)
+    hidden, anchors = torch.randn(4, 7, draft.config.hidden_size, dtype=dtype), torch.randint(100, (4,))
+    lm_head = torch.nn.Linear(draft.config.hidden_size, draft.config.vocab_size, bias=False, dtype=dtype)
     block = draft.draft_block(hidden, anchors, lm_head)
     torch.testing.assert_close(draft.first_confidences(hidden, anchors), block.confidences[:, 0])

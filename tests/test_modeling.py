@@ -85,6 +85,11 @@ def test_loads_checkpoint_name_layouts(draft, tmp_path, rename):
     loaded = DSparkDraftModel.from_pretrained(tmp_path)
     for name, tensor in draft.state_dict().items():
         assert torch.equal(loaded.state_dict()[name], tensor), name
+    temperatures = [2.0] * draft.config.block_size  # config values given at load time, checked as the file's
+    overridden = DSparkDraftModel.from_pretrained(tmp_path, confidence_temperatures=temperatures)
+    assert overridden.config.confidence_temperatures == temperatures
+    with pytest.raises(ValueError, match="`confidence_temperatures` = \\[2.0\\]: must hold"):
+        DSparkDraftModel.from_pretrained(tmp_path, confidence_temperatures=[2.0])
 
 
 def test_missing_tensor_is_an_error_not_a_random_init(draft, tmp_path):
@@ -389,6 +394,21 @@ def test_a_position_counts_only_while_its_block_is_valid(draft, target_modules):
                              embed, lm_head, num_anchors=100)
     # anchors: 2 (labels 3, 4 valid, then 5 invalid), 3 (label 4), 6 (7, 8, 9), 7 (8, 9), 8 (9)
     assert out.num_positions == 2 + 1 + 3 + 2 + 1
+
+
+def test_a_target_with_padded_vocabulary_rows_trains_on_the_real_vocabulary(draft, target_modules):
+    """LM heads padded past `vocab_size` (for kernel-friendly shapes): the padding of both the draft's and the
+    target's logits is dropped, so the loss is the unpadded one."""
+    embed, lm_head = target_modules
+    padded_head = torch.nn.Linear(lm_head.in_features, VOCAB + 8, bias=False)
+    padded_head.weight.data[:VOCAB] = lm_head.weight.data
+    input_ids, features = torch.randint(0, 60, (1, 10)), torch.randn(1, 10, FEATURES)
+    target_logits = torch.randn(1, 10, VOCAB)
+    padded_logits = torch.cat([target_logits, torch.randn(1, 10, 8)], dim=-1)
+    losses = [draft.compute_loss(input_ids, torch.ones(1, 10), features, logits, embed, head, num_anchors=4,
+                                 generator=torch.Generator().manual_seed(0)).loss
+              for logits, head in ((target_logits, lm_head), (padded_logits, padded_head))]
+    torch.testing.assert_close(losses[1], losses[0])
 
 
 def test_gradients_reach_only_draft_parameters(draft, target_modules):
