@@ -332,8 +332,11 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
                                "--out", str(workspace / "calibration_held_out")])
     assert held_out["validation"] == "held-out" and held_out["eval_rounds"] > held_out["rounds"]
     assert held_out["temperatures"] == report["temperatures"]
-    assert json.loads((draft_dir / "config.json").read_text())["confidence_temperatures"] == \
-        [round(t, 6) for t in report["temperatures"]]
+    written = [round(t, 6) for t in report["temperatures"]]
+    assert json.loads((draft_dir / "config.json").read_text())["confidence_temperatures"] == written
+    sts = json.loads((draft_dir / calibrate.STS_FILE).read_text())  # SGLang's DSparkStsCalibration fields
+    assert sts == {"temperatures": written, "dataset": str(workspace / "regen.jsonl"), "num_samples": report["rounds"],
+                   "ece_before": report["ece_before"]["per_position"], "ece_after": report["ece_after"]["per_position"]}
 
     records = read_jsonl(workspace / "regen.jsonl")
     halves = [workspace / "regen_first.jsonl", workspace / "regen_second.jsonl"]

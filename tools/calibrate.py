@@ -17,7 +17,10 @@
    each fold's). Without either, on the fitted rounds themselves, which flatters "after"; the report
    says which. The temperatures written are always those fitted on all of --data.
 4. Write: the temperatures go into the draft's config.json `confidence_temperatures` (only that key is
-   changed); the report goes to calibration.json and calibration.txt in --out.
+   changed; transformers, through this remote code, reads them there) and into the draft's `sts.json`, in the
+   format of SGLang's `--speculative-dspark-confidence-sts-path` (`DSparkStsCalibration`: temperatures,
+   dataset, num_samples, per-position ece_before / ece_after); the report goes to calibration.json and
+   calibration.txt in --out.
 
 Example:
     python tools/calibrate.py --target embedded/target --draft embedded/dspark \
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -44,6 +48,7 @@ from tools.common import (  # noqa: E402
 )
 
 TEMPERATURE_GRID = torch.logspace(-1, 1, 41, dtype=torch.float64)  # 0.1 .. 10
+STS_FILE = "sts.json"  # in the draft folder, for SGLang's --speculative-dspark-confidence-sts-path
 
 
 def fit_sequential_temperatures(rounds: RoundRecords, num_bins: int = 10) -> list[float]:
@@ -103,6 +108,17 @@ def write_temperatures(draft_dir: str | Path, temperatures: list[float]) -> None
     loaded = DSparkConfig.from_pretrained(draft_dir).confidence_temperatures
     if loaded != config["confidence_temperatures"]:
         raise RuntimeError(f"{path}: wrote {config['confidence_temperatures']} but read back {loaded}")
+
+
+def write_sts_file(draft_dir: str | Path, report: dict) -> None:
+    """The fitted temperatures as SGLang's STS calibration file (SGLang reads them from there, not from
+    config.json). Its ECE lists are floats: they are left out if a position had no rounds (NaN)."""
+    ece = {key: report[key]["per_position"] for key in ("ece_before", "ece_after")}
+    sts = {"temperatures": [round(t, 6) for t in report["temperatures"]], "dataset": " ".join(report["data"]),
+           "num_samples": report["rounds"]}
+    if all(math.isfinite(value) for values in ece.values() for value in values):
+        sts |= ece
+    write_json(Path(draft_dir) / STS_FILE, sts)
 
 
 def collect_rounds(target, draft, paths: list[str], limit: int, max_length: int, kind: str,
@@ -183,6 +199,7 @@ def calibrate(args) -> dict:
     }
     if not args.dry_run:
         write_temperatures(args.draft, temperatures)
+        write_sts_file(args.draft, report)
     out = Path(args.out)
     write_json(out / "calibration.json", report)
     (out / "calibration.txt").write_text(report_text(report) + "\n")
