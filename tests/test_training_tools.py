@@ -122,7 +122,12 @@ def test_training_decreases_the_loss_and_saves_the_hub_layout(workspace):
                     heldout, "--heldout-limit", "2", "--eval-every", "12", "--target-layer-ids", "1", "3")
     history = losses(workspace / "dspark")
     assert sum(history[-3:]) / 3 < history[0] - 0.05
-    assert summary["heldout_greedy_acceptance_length"] >= 1.0
+    final_draft = AutoModel.from_pretrained(workspace / "dspark" / "final", trust_remote_code=True)
+    target = AutoModelForCausalLM.from_pretrained(workspace / "target")
+    decoded = [teacher_forced_rounds(target, final_draft, r["input_ids"][:512], r["prompt_len"]).decoded()
+               for r in read_jsonl(heldout)[:2]]  # the rounds greedy decoding runs over the held-out answers
+    assert summary["heldout_greedy_acceptance_length"] == pytest.approx(
+        RoundRecords.concatenate(decoded).acceptance_length(), abs=1e-6)
     # the sampled held-out set reports the loss parts only (here the same file, so the same figures)
     assert summary["heldout_sampled_l1"] == summary["heldout_l1"] > 0
     assert "heldout_sampled_greedy_acceptance_length" not in summary
@@ -174,16 +179,22 @@ def test_compare_runs_tabulates_geometry_cost_and_heldout_quality(workspace, tmp
 
 
 def test_resume_from_a_checkpoint_reproduces_the_run(workspace):
+    """A run killed after step 3 (checkpoint at step 2, a cut log line) resumes to the uninterrupted run's weights
+    and log; a resume with other settings is refused, naming them."""
     flags = ["--max-steps", "4", "--save-every", "2", "--keep-checkpoints", "1"]
     train(workspace, "dspark", "straight", *flags)
     (workspace / "resumed").mkdir()
-    (workspace / "straight" / "checkpoint-2").rename(workspace / "resumed" / "checkpoint-2")
+    shutil.copytree(workspace / "straight" / "checkpoint-2", workspace / "resumed" / "checkpoint-2")
+    log_lines = (workspace / "straight" / "train_log.jsonl").read_text().splitlines(keepends=True)
+    (workspace / "resumed" / "train_log.jsonl").write_text("".join(log_lines[:3]) + log_lines[3][:20])
+    with pytest.raises(SystemExit, match=r"lr \(was 0.0006, now 0.001\)"):
+        train(workspace, "dspark", "resumed", *flags, "--resume", "auto", "--lr", "1e-3")
     train(workspace, "dspark", "resumed", *flags, "--resume", "auto")
     straight = load_file(workspace / "straight" / "final" / "model.safetensors")
     resumed = load_file(workspace / "resumed" / "final" / "model.safetensors")
     assert straight.keys() == resumed.keys()
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
-    assert losses(workspace / "straight")[2:] == losses(workspace / "resumed")
+    assert losses(workspace / "resumed") == losses(workspace / "straight") and len(log_lines) == 4
 
 
 def test_final_norm_init_sets_the_untrained_drafts_output_scale(workspace):

@@ -66,12 +66,14 @@ from dspark.modeling_dspark import CE_WEIGHT, L1_WEIGHT, DSparkDraftModel
 from tools import chat_format
 from tools.feature_cache import FeatureCache
 from tools.common import (
-    DTYPES, RoundRecords, add_model_arguments, apply_threads, load_target, load_training_state, read_jsonl,
-    resolve_device, save_hub_layout, save_training_state, teacher_forced_rounds, write_json,
+    DTYPES, RoundRecords, add_model_arguments, apply_threads, finished_lines, load_target, load_training_state,
+    read_jsonl, refuse_other_settings, resolve_device, save_hub_layout, save_training_state, teacher_forced_rounds,
+    write_json,
 )
 
 KINDS = ("dspark", "dflash", "assistant")
 METRICS = ("loss", "cross_entropy", "l1", "confidence_bce", "accuracy")
+RESUME_MAY_CHANGE = {"resume", "out", "final_dir", "threads", "save_every", "keep_checkpoints", "eval_every"}
 
 
 # ---------------------------------------------------------------------------------------------- models
@@ -333,11 +335,17 @@ class Trainer:
         else:
             path = Path(spec)
         state = load_training_state(path / "trainer_state.pt", map_location=self.device)
+        refuse_other_settings(path, {k: v for k, v in state["args"].items() if k not in RESUME_MAY_CHANGE},
+                              {k: v for k, v in vars(self.args).items() if k not in RESUME_MAY_CHANGE},
+                              "Resume with the run's settings, or start a new --out (--init-from takes its weights).")
         weights = load_file(path / "model.safetensors", device=str(self.device))
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.elapsed, self.tokens = state["step"], state["elapsed"], state["tokens"]
+        log = self.out / "train_log.jsonl"
+        if self.is_main and log.exists():  # the steps logged after this checkpoint are run (and logged) again
+            log.write_text("".join(line for line in finished_lines(log) if json.loads(line)["step"] <= self.step))
         if self.is_main:
             print(f"resumed from {path} at step {self.step}")
 
@@ -386,8 +394,9 @@ class Trainer:
     @torch.no_grad()
     def heldout_metrics(self, path: str, prefix: str, greedy: bool) -> dict[str, float]:
         """Mean loss parts over the first --heldout-limit records of `path`, plus, for greedy answers and
-        DSpark / DFlash, the greedy acceptance length of teacher-forced rounds. On sampled answers, 1 - L1 / 2
-        is the mean probability that speculative sampling accepts a draft position (its prefix accepted)."""
+        DSpark / DFlash, the greedy acceptance length (tau) of the rounds greedy decoding runs over them
+        (teacher-forced, `RoundRecords.decoded`). On sampled answers, 1 - L1 / 2 is the mean probability that
+        speculative sampling accepts a draft position (its prefix accepted)."""
         args = self.args
         records = read_jsonl(path)[: args.heldout_limit]
         self.model.eval()
@@ -403,7 +412,7 @@ class Trainer:
                 totals[name] += float(metrics[name]) / len(records)
             if greedy and args.kind != "assistant":
                 ids = record["input_ids"][: args.max_length]
-                rounds.append(teacher_forced_rounds(self.target, self.model, ids, record["prompt_len"]))
+                rounds.append(teacher_forced_rounds(self.target, self.model, ids, record["prompt_len"]).decoded())
         self.model.train()
         result = {f"{prefix}_{name}": value for name, value in totals.items()}
         if rounds:
@@ -533,7 +542,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", default=None, help="'auto' (latest checkpoint in --out) or a checkpoint folder")
     run.add_argument("--init-from", default=None,
                      help="start from the weights of a saved draft folder (same architecture; fresh optimiser and "
-                          "schedule), e.g. to continue training a shipped draft on a new machine")
+                          "schedule), e.g. to continue training a shipped draft on a new machine. Give it another "
+                          "--seed than the earlier run's: batches and anchors are a function of seed and step")
     return parser
 
 
