@@ -11,7 +11,8 @@ allocated bytes per method on CUDA, the process's peak RSS on CPU, and the draft
 
 Without --target it runs in seconds on the tiny models of tests/tiny_models.py (`--tiny
 qwen3|deepseek_v3|kimi_linear`, a partially agreeing fitted draft); the embedded pair, or any other pair, runs
-with `--target DIR --draft DIR [--assistant DIR] [--dflash DIR]`.
+with `--target DIR --draft DIR [--assistant DIR] [--dflash DIR]`, each prompt rendered as one user turn with
+the target's chat template as tools/evaluate.py renders it, models in --dtype (float32 by default, as there).
 
     python benchmarks/bench_generation.py --tiny kimi_linear --max-new-tokens 32
     python benchmarks/bench_generation.py --target embedded/target --draft embedded/dspark --assistant DIR
@@ -30,6 +31,7 @@ from tqdm import tqdm
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
 import tools  # noqa: E402,F401  (the repository root as the package `dspark`)
+from tools.common import DTYPES, ForwardCounter, chat_prompt_ids, load_target  # noqa: E402
 
 DEFAULT_TEXTS = [
     "Explain why the sky is blue in two sentences.",
@@ -55,6 +57,7 @@ def parse_args():
     parser.add_argument("--threshold", type=float, default=0.5, help="survival threshold of --truncation threshold")
     parser.add_argument("--lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens of (e)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="of the target and the drafts")
     parser.add_argument("--json", default=str(REPO_ROOT / "results" / "bench_generation.json"))
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
@@ -62,17 +65,18 @@ def parse_args():
 
 def load_models(args):
     """(target, draft, assistant or None, dflash draft or None, prompts [list of [1, P] tensors], description)."""
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoModelForCausalLM
 
     if args.target:
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype="auto").to(args.device).eval()
-        draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype="auto").to(args.device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        dtype = DTYPES[args.dtype]
+        target, tokenizer = load_target(args.target, torch.device(args.device), dtype)
+        draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).to(args.device).eval()
         texts = Path(args.prompts).read_text().splitlines() if args.prompts else DEFAULT_TEXTS
-        prompts = [tokenizer(text, return_tensors="pt").input_ids.to(args.device) for text in texts[: args.num_prompts]]
-        load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype="auto").to(args.device).eval()  # noqa: E731
+        prompts = [torch.tensor([chat_prompt_ids(tokenizer, text)], device=args.device)
+                   for text in texts[: args.num_prompts]]
+        load = lambda path: AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device).eval()  # noqa: E731
         assistant = load(args.assistant) if args.assistant else None
-        dflash = AutoModel.from_pretrained(args.dflash).to(args.device).eval() if args.dflash else None
+        dflash = AutoModel.from_pretrained(args.dflash, dtype=dtype).to(args.device).eval() if args.dflash else None
         return target, draft, assistant, dflash, prompts, f"{args.target} + {args.draft}"
 
     import tiny_models
@@ -90,17 +94,6 @@ def load_models(args):
     return target, draft, assistant, None, [p[None].to(args.device) for p in prompts], f"tiny {args.tiny} (fitted draft)"
 
 
-class ForwardCounter:
-    """Counts target forwards (a forward hook on the target)."""
-
-    def __init__(self, model):
-        self.count = 0
-        self.handle = model.register_forward_hook(self.hook)
-
-    def hook(self, *args):
-        self.count += 1
-
-
 def peak_memory(device: torch.device) -> float:
     """MiB: peak allocated since the last reset on CUDA; the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -115,14 +108,13 @@ def run_method(name, generate, target, prompts, args, progress, stats_of=None):
     """Generate every prompt once (after one warm-up) and collect tokens/s, tokens per forward, tau, and for
     DSpark the milliseconds per round of each stage."""
     device = torch.device(args.device)
-    generate(prompts[0][:, :4], 2)  # warm-up
+    generate(prompts[0], 16)  # warm-up: the prefill and rounds that draft (kernels compiled, caches sized)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    counter = ForwardCounter(target)
     tokens = seconds = committed = row_rounds = rounds = 0
     stage_seconds = dict.fromkeys(ROUND_STAGES, 0.0)
     outputs = []
-    try:
+    with ForwardCounter(target) as counter:
         for prompt in prompts:
             torch.manual_seed(args.seed)
             if device.type == "cuda":
@@ -141,8 +133,6 @@ def run_method(name, generate, target, prompts, args, progress, stats_of=None):
                 for stage in ROUND_STAGES:
                     stage_seconds[stage] += getattr(stats, f"time_{stage}")
             progress.update(1)
-    finally:
-        counter.handle.remove()
     return {
         "method": name,
         "tokens": tokens,
