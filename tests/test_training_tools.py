@@ -100,13 +100,19 @@ def test_an_interrupted_regeneration_resumes_after_its_last_whole_batch(workspac
         regenerate(workspace, resumed, "--batch-size", "4")
 
 
-def test_skip_prompts_continues_the_data_set_where_it_stopped(workspace):
+def test_skip_prompts_continues_the_data_set_where_it_stopped(workspace, tmp_path):
+    """A part of 3 prompts reads 4 when one is too long: the next part starts after all 4, so the parts tile
+    the corpus without an overlap."""
     tokenizer = AutoTokenizer.from_pretrained(workspace / "target")
-    corpus = str(workspace / "corpus.jsonl")
-    everything = regenerate_data.corpus_prompts(corpus, tokenizer, max_prompts=8, max_prompt_tokens=1024)
-    first = regenerate_data.corpus_prompts(corpus, tokenizer, max_prompts=3, max_prompt_tokens=1024)
-    rest = regenerate_data.corpus_prompts(corpus, tokenizer, max_prompts=8, max_prompt_tokens=1024, skip=3)
-    assert [p["source"] for p in first + rest] == [p["source"] for p in everything] == [str(i) for i in range(8)]
+    corpus = tmp_path / "corpus.jsonl"
+    texts = [f"def add_{i}(x):" + (" pass;" * 200 if i == 1 else "") for i in range(8)]
+    corpus.write_text("".join(json.dumps({"prompt": text, "source": str(i)}) + "\n" for i, text in enumerate(texts)))
+    everything, _ = regenerate_data.corpus_prompts(str(corpus), tokenizer, max_prompts=8, max_prompt_tokens=200)
+    first, next_skip = regenerate_data.corpus_prompts(str(corpus), tokenizer, max_prompts=3, max_prompt_tokens=200)
+    rest, _ = regenerate_data.corpus_prompts(str(corpus), tokenizer, max_prompts=8, max_prompt_tokens=200,
+                                             skip=next_skip)
+    assert next_skip == 4 and [p["source"] for p in first] == ["0", "2", "3"]
+    assert [p["source"] for p in first + rest] == [p["source"] for p in everything] == ["0", *map(str, range(2, 8))]
 
 
 def test_training_data_may_span_several_files(workspace):

@@ -39,18 +39,22 @@ from tools.common import (
 )
 
 
-def corpus_prompts(corpus: str, tokenizer, max_prompts: int, max_prompt_tokens: int, skip: int = 0) -> list[dict]:
+def corpus_prompts(
+    corpus: str, tokenizer, max_prompts: int, max_prompt_tokens: int, skip: int = 0
+) -> tuple[list[dict], int]:
     """The first `max_prompts` prompts (records with a `prompt`) of the file that fit `max_prompt_tokens`,
-    after the first `skip` prompts, tokenized with the target's chat template."""
-    prompts = []
+    after the first `skip` prompts, tokenized with the target's chat template; and the `skip` of the data set
+    that continues this one (the prompts read, those too long included)."""
+    prompts, read = [], skip
     pairs = (record for record in read_jsonl(corpus) if "prompt" in record)
     for record in itertools.islice(pairs, skip, None):
+        read += 1
         ids = chat_prompt_ids(tokenizer, record["prompt"])
         if len(ids) <= max_prompt_tokens:
             prompts.append({"ids": ids, "source": record.get("source", "")})
         if len(prompts) == max_prompts:
             break
-    return prompts
+    return prompts, read
 
 
 @torch.no_grad()
@@ -87,7 +91,8 @@ def regenerate(args) -> dict:
     device = resolve_device(args.device)
     target, tokenizer = load_target(args.target, device, DTYPES[args.dtype], args.target_device_map)
 
-    prompts = corpus_prompts(args.corpus, tokenizer, args.max_prompts, args.max_prompt_tokens, args.skip_prompts)
+    prompts, next_skip = corpus_prompts(args.corpus, tokenizer, args.max_prompts, args.max_prompt_tokens,
+                                        args.skip_prompts)
     # Similar lengths share a batch (little padding) within windows of 8 batches, so that any prefix of the
     # output keeps the file's mix of prompts; the order is fixed, so a rerun resumes exactly.
     window = 8 * args.batch_size
@@ -120,7 +125,7 @@ def regenerate(args) -> dict:
     records = read_jsonl(out)
     response_lengths = [len(r["input_ids"]) - r["prompt_len"] for r in records]
     summary = {
-        "settings": settings, "complete": True, "records": len(records),
+        "settings": settings, "complete": True, "records": len(records), "next_skip_prompts": next_skip,
         "response_tokens": sum(response_lengths),
         "mean_response_tokens": sum(response_lengths) / max(1, len(records)),
         "ended_with_eos": sum(r["input_ids"][-1] == tokenizer.eos_token_id for r in records),
@@ -137,8 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="data/regen/train.jsonl", help="output JSON lines (default: %(default)s)")
     parser.add_argument("--max-prompts", type=int, default=4000)
     parser.add_argument("--skip-prompts", type=int, default=0,
-                        help="start after this many prompts (to extend a data set, or to shard it "
-                             "over processes)")
+                        help="start after this many prompts (to extend a data set, or to shard it over "
+                             "processes): the next_skip_prompts of the previous part's meta.json, which counts "
+                             "the prompts skipped as too long too")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="skip longer prompts")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), > 0 = sampled")
