@@ -26,6 +26,7 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
+    PreTrainedModel,
 )
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
@@ -138,6 +139,22 @@ def random_draft(name: str, seed: int = 0) -> DSparkDraftModel:
     torch.manual_seed(seed)
     config = draft_config(TARGET_LAYER_IDS[name], target.config.num_hidden_layers, target.config.vocab_size)
     return DSparkDraftModel(config).eval().requires_grad_(False)
+
+
+SMALL_VOCAB = 16
+
+
+@functools.cache
+def peaked_pair(name: str) -> tuple[PreTrainedModel, DSparkDraftModel]:
+    """`name`'s tiny target with a 16-token vocabulary and larger initial weights (peaked next-token distributions),
+    and a random draft for it: the drafts are often rejected and often accepted, at every block position, so
+    sampled verification takes both of its branches (a draft accepted, a token from the residual) everywhere."""
+    base = TARGETS[name]()
+    torch.manual_seed(0)
+    config = type(base.config)(**{**base.config.to_dict(), "vocab_size": SMALL_VOCAB, "initializer_range": 0.1})
+    target = _frozen(type(base)(config))
+    draft_settings = draft_config(TARGET_LAYER_IDS[name], config.num_hidden_layers, SMALL_VOCAB, initializer_range=0.1)
+    return target, DSparkDraftModel(draft_settings).eval().requires_grad_(False)
 
 
 def greedy_text(target, num_sequences: int, prompt_length: int, new_tokens: int, seed: int) -> torch.Tensor:
