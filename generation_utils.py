@@ -827,7 +827,10 @@ class _GenerationSetup:
         generation_config, model_kwargs = target._prepare_generation_config(generation_config, **kwargs)
         unsupported = sorted(set(model_kwargs) - {"use_cache"})
         if unsupported:
-            raise ValueError(f"DSpark: unsupported generate arguments {unsupported}; remove them.")
+            raise ValueError(
+                f"DSpark: unsupported generate arguments {unsupported}: DSpark's loop does not pass them to the model "
+                "or return what they ask for (output_scores and output_logits are supported); remove them."
+            )
         _check_generation_config(generation_config)
 
         input_ids, _, _ = target._prepare_model_inputs(input_ids, generation_config.bos_token_id, {})
@@ -867,11 +870,6 @@ def _check_generation_config(generation_config) -> None:
         raise ValueError(
             f"DSpark: num_return_sequences={generation_config.num_return_sequences} is not supported; repeat the "
             "prompt in the batch instead (each row samples independently)."
-        )
-    if generation_config.output_attentions or generation_config.output_hidden_states:
-        raise ValueError(
-            "DSpark: output_attentions / output_hidden_states are not returned by speculative decoding; drop them "
-            "(output_scores and output_logits are supported)."
         )
     if generation_config.guidance_scale is not None and generation_config.guidance_scale != 1:
         raise ValueError("DSpark: classifier-free guidance (guidance_scale) is not supported; remove guidance_scale.")

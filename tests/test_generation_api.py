@@ -23,6 +23,7 @@ from transformers import (
     AutoModel,
     FalconH1Config,
     FalconH1ForCausalLM,
+    GenerationConfig,
     GenerationMixin,
     PreTrainedTokenizerFast,
     Qwen3Config,
@@ -126,7 +127,9 @@ def test_explicit_function_returns_generate_output_scores_and_statistics():
     assert stats.generated_tokens == 15 and stats.committed_tokens == 14  # the prefill made the first token
     assert stats.rounds == len(stats.verify_lengths) and stats.tau > 1
     assert stats.time_total >= stats.time_draft + stats.time_verify + stats.time_rollback
-    assert len(stats.conditional_acceptance) == draft.config.block_size
+    assert stats.conditional_acceptance == [a / t if t else pytest.approx(float("nan"), nan_ok=True)
+                                            for a, t in zip(stats.position_accepted, stats.position_tried)]
+    assert sum(stats.position_accepted) == stats.committed_tokens - stats.row_rounds  # accepted drafts + bonuses
 
 
 # -------------------------------------------------------------------------------------------------- errors
@@ -147,29 +150,40 @@ def _draft_with(**overrides) -> DSparkDraftModel:
 
 
 @pytest.mark.parametrize(
-    "make_draft, kwargs, message",
+    "make_draft, kwargs, message",  # each message names the problem, then the fix
     [
-        (lambda: _draft_with(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), {}, "hidden_size 32"),
-        (lambda: _draft_with(vocab_size=600), {}, "vocab_size is 600"),
-        (lambda: DSparkDraftModel(draft_config([1, 5], 8)), {}, "only 4 layers"),
-        (lambda: random_draft("qwen3"), {"num_beams": 2}, "beam search"),
-        (lambda: random_draft("qwen3"), {"num_return_sequences": 2, "do_sample": True}, "num_return_sequences=2"),
-        (lambda: random_draft("qwen3"), {"truncation": "sometimes"}, "unknown truncation"),
+        (lambda: _draft_with(hidden_size=32, num_attention_heads=2, num_key_value_heads=1), {},
+         r"hidden_size 32 but the target .* has 64.*Use the target the draft was trained for"),
+        (lambda: _draft_with(vocab_size=600), {}, r"vocab_size is 600 but the target's is 512.*Use the target"),
+        (lambda: DSparkDraftModel(draft_config([1, 5], 8)), {}, r"layers \[1, 5\] but .* has only 4 layers.*Use the"),
+        (lambda: random_draft("qwen3"), {"num_beams": 2}, r"beam search .* use num_beams=1"),
+        (lambda: random_draft("qwen3"), {"num_return_sequences": 2, "do_sample": True},
+         r"num_return_sequences=2 is not supported; repeat the prompt in the batch"),
+        (lambda: random_draft("qwen3"), {"truncation": "sometimes"},
+         r"unknown truncation 'sometimes'; choose one of \('full', 'threshold', 'schedule'\)"),
         (lambda: _draft_with(enable_confidence_head=False, confidence_head_with_markov=False),
-         {"truncation": "threshold"}, "confidence head"),
-        (lambda: random_draft("qwen3"), {"output_hidden_states": True}, "output_hidden_states"),
+         {"truncation": "threshold"}, r"needs the draft's confidence head; use truncation='full'"),
+        (lambda: random_draft("qwen3"), {"rollback": "sometimes"}, r"unknown rollback 'sometimes'; choose one of"),
+        (lambda: random_draft("qwen3"), {"output_hidden_states": True},  # transformers passes it on to the model
+         r"unsupported generate arguments \['output_hidden_states'\]: .* remove them"),
+        (lambda: random_draft("qwen3"), {"generation_config": GenerationConfig(output_attentions=True)},
+         r"unsupported generate arguments \['output_attentions'\]: .* remove them"),
+        (lambda: random_draft("qwen3"), {"guidance_scale": 2.0}, r"guidance_scale\) is not supported; remove"),
+        (lambda: random_draft("qwen3"), {"token_type_ids": torch.zeros(1, 3, dtype=torch.long)},
+         r"unsupported generate arguments \['token_type_ids'\]: .* remove them"),
         (lambda: random_draft("qwen3"), {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7,
-                                         "streamer": BaseStreamer()}, "streamers take one sequence"),
+                                         "streamer": BaseStreamer()}, r"streamers take one sequence; stream with batch"),
         (lambda: random_draft("qwen3"), {"confidence_threshold": 0.0}, r"confidence_threshold must be in \(0, 1\]"),
         (lambda: random_draft("qwen3"), {"confidence_threshold": 1.5}, r"confidence_threshold must be in \(0, 1\]"),
-        (lambda: random_draft("qwen3"), {"confidence_threshold": float("nan")}, r"\(0, 1\].*got nan"),
-        (lambda: random_draft("qwen3"), {"target": falcon_h1_target}, r"FalconH1ForCausalLM keeps linear attention"),
+        (lambda: random_draft("qwen3"), {"confidence_threshold": float("nan")}, r"\(0, 1\].*got nan.*default is 0.5"),
+        (lambda: random_draft("qwen3"), {"target": falcon_h1_target},
+         r"FalconH1ForCausalLM keeps linear attention .* Decode it without an assistant"),
         (lambda: random_draft("qwen3"), {"do_sample": True, "watermarking_config": SynthIDTextWatermarkingConfig(
             keys=[3, 5, 7], ngram_len=2)}, r"SynthID text watermarking keeps state.*without the assistant"),
     ],
-    ids=["hidden", "vocab", "layers", "beams", "return_sequences", "truncation", "no_confidence_head",
-         "hidden_states", "streamer_batch", "threshold_zero", "threshold_above_one", "threshold_nan",
-         "hybrid_cache_layers", "synthid_watermark"],
+    ids=["hidden", "vocab", "layers", "beams", "return_sequences", "truncation", "no_confidence_head", "rollback",
+         "hidden_states", "attentions", "guidance", "model_kwargs", "streamer_batch", "threshold_zero",
+         "threshold_above_one", "threshold_nan", "hybrid_cache_layers", "synthid_watermark"],
 )
 def test_clear_errors_before_any_target_forward(make_draft, kwargs, message):
     kwargs = dict(kwargs)
