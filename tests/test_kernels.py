@@ -6,11 +6,14 @@ On a CUDA machine the kernels are compiled for the GPU; elsewhere they run in Tr
 
 import pytest
 import torch
+import triton  # pinned in requirements.txt: the kernel tests never skip for want of it
+from tiny_models import agreeing_prompts, fitted_draft, left_pad, qwen3_target
 
 import kernels
+from dspark import kernels as dspark_kernels  # the copy generation_utils calls (the package's)
+from dspark.generation_utils import dspark_generate
 from kernels import counter_uniform, markov_block_sample, verify_block
 
-triton = pytest.importorskip("triton")
 tl = triton.language
 
 pytestmark = pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # log(0) = -inf
@@ -248,3 +251,25 @@ def test_dispatch(monkeypatch):
     markov_block_sample(**args, backend="reference")  # the argument overrides the environment
     with pytest.raises(ValueError, match="backend"):
         verify_block(torch.zeros(1, 3, 37), torch.zeros(1, 2, dtype=torch.long), None, torch.ones(1), backend="cuda")
+
+
+@pytest.mark.skipif(ON_GPU, reason="runs the kernels on CPU tensors, in the interpreter (gpu_check.sh covers CUDA)")
+@pytest.mark.parametrize("do_sample", [False, True], ids=["greedy", "sampling"])
+def test_generation_through_the_triton_kernels_equals_the_reference_kernels(monkeypatch, do_sample):
+    """Whole DSpark calls, a left-padded batch of 2 under threshold truncation (verify windows shorter than the
+    block: the verified drafts' logits are a strided slice of the block's), through the Triton kernels and
+    through the PyTorch references, with the same seeds: the same tokens."""
+    target, draft = qwen3_target(), fitted_draft("qwen3")
+    input_ids, attention_mask = left_pad(agreeing_prompts("qwen3", 2, seed=7))
+    outputs, verify_lengths = {}, set()
+    for backend in ("reference", "triton"):
+        monkeypatch.setenv("DSPARK_KERNELS", backend)
+        if backend == "triton":  # the references must not run then
+            for reference in ("markov_block_sample_reference", "verify_block_reference"):
+                monkeypatch.setattr(dspark_kernels, reference, lambda *args, **kwargs: pytest.fail("a reference ran"))
+        torch.manual_seed(0)
+        outputs[backend] = dspark_generate(target, draft, input_ids, attention_mask=attention_mask, max_new_tokens=12,
+                                           do_sample=do_sample, truncation="threshold", confidence_threshold=0.9)
+        verify_lengths |= set(draft.last_stats.verify_lengths)
+    assert torch.equal(outputs["triton"], outputs["reference"])
+    assert verify_lengths & set(range(1, draft.config.block_size))  # some window shorter than the block
