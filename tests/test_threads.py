@@ -14,15 +14,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-import transformers.models.kimi_linear.modeling_kimi_linear as modeling_kimi_linear
 from tiny_models import TARGETS, agreeing_prompts, fitted_draft, kimi_linear_target, qwen3_target, random_prompts
 from transformers import AutoModel
 
+from dspark import generation_utils
 from dspark.generation_utils import TargetFeatureCapture, decoder_layers, dspark_generate
 
 CALLS_PER_THREAD, NEW_TOKENS = 3, 24
 KERNEL_ROUTE = "_dspark_kernel_route"  # the mark of the kernel wrapper
-KDA_CHUNK = "chunk_kimi_delta_attention"
 
 
 def _thread_prompts(name: str, thread: int) -> list[torch.Tensor]:
@@ -65,10 +64,14 @@ def _routes(kernel) -> set:
 
 
 def _assert_nothing_installed(target) -> None:
-    """No kernel wrapper (kimi_linear's is the one the tests' stateful targets use) and no capture hook."""
-    assert not _routes(getattr(modeling_kimi_linear, KDA_CHUNK))
+    """No wrapper on the target's chunked delta-rule kernel (if it has one) and no capture hook."""
+    kernels = generation_utils._delta_rule_kernels(target)
+    if kernels is not None:
+        module, chunk_name, _ = kernels
+        assert not _routes(getattr(module, chunk_name))
     for layer in decoder_layers(target):
         assert not [hook for hook in layer._forward_hooks.values() if hook.__name__ == "_record_layer_output"]
+    assert not generation_utils._capture_hooks
 
 
 def _assert_overlapping(spans) -> None:
@@ -153,26 +156,52 @@ def test_two_copies_of_the_code_share_the_interception_and_leave_plain_generate_
     assert torch.equal(tokens, expected_tokens) and torch.equal(logits, expected_logits)
 
 
+def test_plain_generate_in_another_thread_is_unchanged_while_dspark_calls_run():
+    """While one thread decodes with DSpark (the kernel wrapper and capture hooks in place), another runs plain
+    greedy generate on the same target, many times: the same tokens and logits as alone."""
+    target, draft = TARGETS["kimi_linear"](), fitted_draft("kimi_linear")
+    prompt = agreeing_prompts("kimi_linear", 1, seed=8)[0]
+    expected_tokens, expected_logits = _plain_greedy(target, prompt)
+
+    def plain_repeatedly():
+        start = time.perf_counter()
+        for _ in range(4):
+            tokens, logits = _plain_greedy(target, prompt)
+            assert torch.equal(tokens, expected_tokens) and torch.equal(logits, expected_logits)
+        return start, time.perf_counter()
+
+    (outputs, dspark_span), plain_span = _in_threads(
+        functools.partial(_decode, target, draft, _thread_prompts("kimi_linear", 0)), plain_repeatedly)
+    _assert_overlapping([dspark_span, plain_span])
+    for actual, expected in zip(outputs, _single_threaded("kimi_linear", 0)):
+        assert torch.equal(actual, expected)
+    _assert_nothing_installed(target)
+
+
 class Interrupted(Exception):
     pass
 
 
-def test_a_call_interrupted_inside_a_verify_forward_leaves_nothing_active():
-    target, draft = TARGETS["kimi_linear"](), fitted_draft("kimi_linear")
-    prompt = agreeing_prompts("kimi_linear", 1, seed=6)[0][None]
+@pytest.mark.parametrize("stage, forward", [("prefill", 0), ("verify", 2), ("draft", 1)])
+@pytest.mark.parametrize("name", ["kimi_linear", "qwen3_next"])
+def test_a_call_interrupted_anywhere_leaves_nothing_installed(name, stage, forward):
+    """An exception inside the prefill, the second verify forward (a linear-attention layer, mid-replay) or the
+    second draft forward: nothing stays installed, and the next call gives the uninterrupted output."""
+    target, draft = TARGETS[name](), fitted_draft(name)
+    prompt = agreeing_prompts(name, 1, seed=6)[0][None]
     expected = dspark_generate(target, draft, prompt, max_new_tokens=16, do_sample=False)
     forwards = itertools.count()
 
-    def interrupt_the_second_verify(module, args, output):
-        if next(forwards) == 2:  # forwards: prefill, verify, verify
+    def interrupt(module, args, output):
+        if next(forwards) == forward:
             raise Interrupted
 
-    handle = decoder_layers(target)[1].register_forward_hook(interrupt_the_second_verify)  # a KDA layer
+    module = draft if stage == "draft" else decoder_layers(target)[1]  # layer 1: linear attention in both
+    handle = module.register_forward_hook(interrupt)
     try:
         with pytest.raises(Interrupted):
             dspark_generate(target, draft, prompt, max_new_tokens=16, do_sample=False)
     finally:
         handle.remove()
-    assert next(forwards) == 3
     _assert_nothing_installed(target)
     assert torch.equal(dspark_generate(target, draft, prompt, max_new_tokens=16, do_sample=False), expected)
