@@ -27,6 +27,7 @@ from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDelta
 
 from dspark import generation_utils
 from dspark.generation_utils import SpsCurve, TargetCache, dspark_generate
+from dspark.kernels import MarkovBlockSample
 
 # A made-up SPS curve (steps/s vs tokens per forward) whose decline makes `schedule` verify fewer than 7 drafts.
 SPS = SpsCurve({1: 100.0, 8: 70.0, 24: 30.0})
@@ -75,6 +76,27 @@ def test_greedy_equals_plain_generate(name, rollback):
         row_rounds += draft.last_stats.row_rounds
     # The fitted draft agrees partially: tau > 1 (lower with rerun, whose batch rows commit the batch minimum).
     assert committed / row_rounds > (1.05 if rollback == "rerun" else 1.1)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "kimi_linear"])
+def test_a_block_whose_drafts_are_all_right_is_accepted_whole(name, monkeypatch):
+    """An oracle draft proposes the target's own greedy tokens: every full round accepts all 7 drafts and
+    commits 8 tokens (the bonus from the last verified position), and the output is still plain greedy's."""
+    target, draft = TARGETS[name](), fitted_draft(name)
+    prompt = agreeing_prompts(name, 1, seed=9)[0][None]
+    expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    block_size, vocab_size = draft.config.block_size, draft.config.vocab_size
+    continuation = torch.cat([expected, torch.full((1, block_size), PAD)], dim=-1)  # drafts past the end: pads
+
+    def oracle_draft(self, anchors, positions, max_drafts):
+        tokens = continuation[:, positions[:, None] + 1 + torch.arange(block_size)][0]  # [B, S] after each anchor
+        return MarkovBlockSample(tokens, torch.zeros(len(anchors), block_size, vocab_size), None)
+
+    monkeypatch.setattr(generation_utils._DSparkDecoder, "_draft", oracle_draft)
+    assert torch.equal(dspark_generate(target, draft, prompt, max_new_tokens=40, do_sample=False), expected)
+    stats = draft.last_stats
+    assert stats.position_accepted == stats.position_tried and stats.position_accepted[-1] == 4  # 4 full rounds
+    assert stats.verify_lengths == [7, 7, 7, 7, 6] and stats.committed_tokens == 39
 
 
 def test_partially_agreeing_draft_has_rejections_and_tau_above_one():
