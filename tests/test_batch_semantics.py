@@ -7,10 +7,13 @@ the rows of equal length; any other one makes the rows step-aligned and is calle
 
 import pytest
 import torch
-from tiny_models import EOS, PAD, TARGETS, agreeing_prompts, fitted_draft, left_pad, random_prompts
+from tiny_models import (
+    BOS, EOS, PAD, TARGETS, agreeing_prompts, fitted_draft, left_pad, letters_tokenizer, random_prompts,
+)
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import generation as stock
 
-from dspark.generation_utils import dspark_generate
+from dspark.generation_utils import ROW_WISE, _rows_of, dspark_generate
 
 MAX_NEW_TOKENS = 16
 
@@ -132,3 +135,43 @@ def test_scores_and_logits_of_finished_rows_equal_plain_generate(name, processor
     assert len(actual.scores) == len(expected.scores) and len(actual.logits) == len(expected.logits)
     for ours, theirs in zip(actual.scores + actual.logits, expected.scores + expected.logits):
         torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def _row_wise_instances(prompts: torch.Tensor) -> list:
+    """One instance of every class in ROW_WISE, for 4 rows whose prompts are `prompts` [4, 4] and which have 6 more
+    tokens each (the per-row attributes as `generate` sets them: a [B] tensor, the [B, P] prompts)."""
+    return [
+        stock.MinLengthLogitsProcessor(12, EOS), stock.MinNewTokensLengthLogitsProcessor(4, 8, EOS),
+        stock.TemperatureLogitsWarper(0.7), stock.TopPLogitsWarper(0.8), stock.TopKLogitsWarper(5),
+        stock.TopHLogitsWarper(0.4), stock.MinPLogitsWarper(0.1), stock.TypicalLogitsWarper(0.9),
+        stock.EpsilonLogitsWarper(0.02), stock.EtaLogitsWarper(0.02), stock.NoRepeatNGramLogitsProcessor(2),
+        stock.SequenceBiasLogitsProcessor([[[5, 6], -3.0], [[7], 2.0]]),
+        stock.NoBadWordsLogitsProcessor([[5], [6, 7]], EOS),
+        stock.ForcedBOSTokenLogitsProcessor(BOS), stock.ForcedEOSTokenLogitsProcessor(11, EOS),
+        stock.InfNanRemoveLogitsProcessor(), stock.ExponentialDecayLengthPenalty((2, 1.5), EOS, 4),
+        stock.LogitNormalization(), stock.SuppressTokensAtBeginLogitsProcessor([5, 6], 10),
+        stock.SuppressTokensLogitsProcessor([5, 6]),
+        stock.RepetitionPenaltyLogitsProcessor(1.3, prompt_ignore_length=torch.tensor([0, 1, 2, 3])),
+        stock.EncoderRepetitionPenaltyLogitsProcessor(1.5, encoder_input_ids=prompts),
+        stock.MaxLengthCriteria(10), stock.MaxTimeCriteria(60.0), stock.EosTokenCriteria(EOS),
+        stock.StopStringCriteria(letters_tokenizer(), ["cd", "xyz"]),
+    ]
+
+
+def test_row_wise_functions_give_each_group_of_rows_what_the_whole_batch_call_gives_it():
+    """The claim behind ROW_WISE: called on any group of rows (per-row attributes sliced by `_rows_of`), each of its
+    processors and criteria returns exactly those rows of its whole-batch output, on rows with different texts."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(4, 12, (4, 10), generator=generator)  # few distinct tokens: n-grams and words repeat
+    input_ids[1, -1] = 6  # the first token of a banned and of a biased sequence
+    input_ids[2, -2:] = torch.tensor([4 + 2, 4 + 3])  # "cd" in letters_tokenizer: row 2 hits a stop string
+    input_ids[3, -1] = EOS
+    scores = torch.randn(4, 64, generator=generator) * 3
+    scores[0, 9] = float("-inf")  # a masked token (InfNanRemove has something to replace)
+    instances = _row_wise_instances(input_ids[:, :4])
+    assert {type(function) for function in instances} == set(ROW_WISE)  # every listed class is checked
+    for function in instances:
+        whole = function(input_ids, scores.clone())
+        for rows in (torch.tensor([0]), torch.tensor([1, 3]), torch.tensor([2, 0])):
+            part = _rows_of(function, rows)(input_ids[rows], scores[rows].clone())
+            assert torch.equal(part, whole[rows]), function

@@ -15,6 +15,7 @@ from tiny_models import (
     draft_config,
     fitted_draft,
     left_pad,
+    letters_tokenizer,
     qwen3_target,
     random_draft,
     random_prompts,
@@ -25,7 +26,6 @@ from transformers import (
     FalconH1ForCausalLM,
     GenerationConfig,
     GenerationMixin,
-    PreTrainedTokenizerFast,
     Qwen3Config,
     Qwen3ForCausalLM,
     StoppingCriteria,
@@ -231,19 +231,6 @@ def test_streamer_receives_every_token_once_in_order():
     assert streamer.ended and len(streamer.chunks) < 1 + 20  # several tokens per round
 
 
-def _tokenizer() -> PreTrainedTokenizerFast:
-    """One token per id: ids 4-29 are the letters a-z, every other id i is the string "<i>"; decoding
-    concatenates tokens (what StopStringCriteria needs to map tokens to text)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    letters = {chr(ord("a") + i): 4 + i for i in range(26)}
-    vocab = {**{f"<{i}>": i for i in range(VOCAB_SIZE) if i not in letters.values()}, **letters}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<0>", eos_token="<2>")
-
-
 class StopAfterTokens(StoppingCriteria):
     """A custom criterion: stop a row once one of `tokens` occurs among its last 3 tokens."""
 
@@ -259,7 +246,7 @@ def test_stop_strings_and_custom_criteria_stop_where_plain_generate_stops(eos_to
     """Every row stops mid-block at a different step. With an EOS token, stopped rows are padded; without one,
     `generate` keeps every row going until the last one stops: the same here."""
     target, draft = qwen3_target(), fitted_draft("qwen3")
-    tokenizer = _tokenizer()
+    tokenizer = letters_tokenizer()
     input_ids, attention_mask = left_pad(agreeing_prompts("qwen3", 2, seed=8) + random_prompts(1, 3, 5, seed=8))
     common = dict(attention_mask=attention_mask, max_new_tokens=24, do_sample=False, eos_token_id=eos_token_id)
     plain = target.generate(input_ids, **common)

@@ -17,6 +17,7 @@ import functools
 
 import torch
 import transformers.models.kimi_linear.modeling_kimi_linear as modeling_kimi_linear
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
@@ -27,6 +28,7 @@ from transformers import (
     Qwen3NextConfig,
     Qwen3NextForCausalLM,
     PreTrainedModel,
+    PreTrainedTokenizerFast,
 )
 
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
@@ -221,3 +223,14 @@ def left_pad(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids[row, width - len(prompt):] = prompt
         attention_mask[row, width - len(prompt):] = 1
     return input_ids, attention_mask
+
+
+def letters_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per id: ids 4-29 are the letters a-z, every other id i is the string "<i>"; decoding
+    concatenates tokens (what StopStringCriteria needs to map tokens to text)."""
+    letters = {chr(ord("a") + i): 4 + i for i in range(26)}
+    vocab = {**{f"<{i}>": i for i in range(VOCAB_SIZE) if i not in letters.values()}, **letters}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<0>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<0>", eos_token="<2>")
