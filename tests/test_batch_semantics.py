@@ -43,15 +43,17 @@ class StopAtRowToken(StoppingCriteria):
 
 
 class BanRowToken(LogitsProcessor):
-    """Row b may never generate `tokens[b]`: a processor with one entry per batch row. Records the batch sizes."""
+    """Row b may never generate `tokens[b]`, nor the token after its last one (`input_ids[b, -1] + 1`): a processor
+    with one entry per batch row that reads the sequences. Records the sequences it is called on."""
 
     def __init__(self, tokens: list[int]):
         self.tokens = torch.tensor(tokens)
-        self.batch_sizes = set()
+        self.calls = []
 
     def __call__(self, input_ids, scores):
-        self.batch_sizes.add(input_ids.shape[0])
-        return scores.scatter(1, self.tokens[:, None], float("-inf"))
+        self.calls.append(input_ids.clone())
+        banned = torch.stack([self.tokens, (input_ids[:, -1] + 1) % scores.shape[-1]], dim=-1)
+        return scores.scatter(1, banned, float("-inf"))
 
 
 def test_a_per_row_stopping_criterion_is_called_exactly_as_plain_generate_calls_it():
@@ -100,14 +102,16 @@ def test_processors_with_per_row_state_see_each_row_as_plain_generate_does(proce
     kwargs = dict(attention_mask=attention_mask, max_new_tokens=MAX_NEW_TOKENS, do_sample=False,
                   eos_token_id=eos_token_id)
 
-    expected = target.generate(input_ids, **kwargs, **_processor_kwargs(processor, banned))
-    dspark_kwargs = _processor_kwargs(processor, banned)
+    plain_kwargs, dspark_kwargs = _processor_kwargs(processor, banned), _processor_kwargs(processor, banned)
+    expected = target.generate(input_ids, **kwargs, **plain_kwargs)
     actual = dspark_generate(target, draft, input_ids, **kwargs, **dspark_kwargs)
 
     assert torch.equal(actual, expected)
     assert (actual[:, -1] == PAD).any()  # a row finished early
-    if processor == "per_row_logits_processor":
-        assert dspark_kwargs["logits_processor"][0].batch_sizes == {3}
+    if processor == "per_row_logits_processor":  # called on the whole batch, as plain generate calls it at each step
+        ours, theirs = dspark_kwargs["logits_processor"][0].calls, plain_kwargs["logits_processor"][0].calls
+        assert all(call.shape[0] == 3 for call in ours)
+        assert all(any(torch.equal(call, mine) for mine in ours) for call in theirs)  # and at rejected drafts
 
 
 @pytest.mark.parametrize(
