@@ -51,6 +51,16 @@ def test_prompts_sharing_an_ngram_with_an_eval_prompt_are_dropped_but_boilerplat
     assert report["kinds"]["chat"]["train"] == 10 and report["train_heldout_overlap"] == 0
 
 
+def test_a_prompt_shorter_than_an_ngram_is_dropped_when_its_words_appear_in_an_eval_turn(tmp_path):
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    write_jsonl(eval_dir / "mbpp.jsonl", [{"turns": ["Write a function to reverse words in a given string."]}])
+    overlaps_eval = build_prompts.EvalOverlap(eval_dir, n=8, boilerplate_rows=5)
+    assert overlaps_eval("Write a function to reverse words")  # 6 words: no 8-gram, but inside the turn
+    assert not overlaps_eval("Write a function to sort words")
+    assert overlaps_eval("Please write a function to reverse words in a given string now")  # an 8-gram
+
+
 def test_mbpp_style_requests_read_as_tasks():
     head = 'def area_of_circle(radius):\n    """Returns the area of a circle with the given radius."""'
     assert build_prompts.mbpp_request(head) == (

@@ -122,31 +122,47 @@ def chat_prompts() -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- overlap
+def words_of(text: str) -> list[str]:
+    return re.findall(r"\w+", text.lower())
+
+
 def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
-    words = re.findall(r"\w+", text.lower())
+    words = words_of(text)
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
 
-def eval_ngrams(eval_dir: Path, n: int, boilerplate_rows: int) -> set[tuple[str, ...]]:
-    """The word n-grams of every evaluation row, less those shared by `boilerplate_rows` rows or more."""
-    rows_with = Counter()
-    for path in sorted(eval_dir.glob("*.jsonl")):
-        for row in read_jsonl(path):
-            rows_with.update(set().union(*(word_ngrams(turn, n) for turn in row["turns"])))
-    return {gram for gram, rows in rows_with.items() if rows < boilerplate_rows}
+class EvalOverlap:
+    """Whether a prompt overlaps the evaluation sets: it shares a word n-gram with an evaluation turn (format
+    boilerplate aside: n-grams found in `boilerplate_rows` rows or more), or, when shorter than n words, all its
+    words appear in a row of a turn (an n-gram test cannot see a prompt that short)."""
+
+    def __init__(self, eval_dir: Path, n: int, boilerplate_rows: int):
+        rows_with, self.turns = Counter(), []
+        for path in sorted(eval_dir.glob("*.jsonl")):
+            for row in read_jsonl(path):
+                rows_with.update(set().union(*(word_ngrams(turn, n) for turn in row["turns"])))
+                self.turns += [f" {' '.join(words_of(turn))} " for turn in row["turns"]]
+        self.ngrams = {gram for gram, rows in rows_with.items() if rows < boilerplate_rows}
+        self.n = n
+
+    def __call__(self, prompt: str) -> bool:
+        words = words_of(prompt)
+        if len(words) < self.n:
+            return any(f" {' '.join(words)} " in turn for turn in self.turns)
+        return bool(word_ngrams(prompt, self.n) & self.ngrams)
 
 
 # ---------------------------------------------------------------------------------------------- main
 def build(args) -> dict:
     roots = args.roots or [sysconfig.get_paths()["stdlib"]]
     sources = {"math": math_prompts(args.gsm8k), "code": code_prompts(roots, args.max_files), "chat": chat_prompts()}
-    contaminated = eval_ngrams(Path(args.eval_dir), args.ngram, args.boilerplate_rows)
+    overlaps_eval = EvalOverlap(Path(args.eval_dir), args.ngram, args.boilerplate_rows)
     rng = random.Random(args.seed)
     splits = {"train": [], "heldout": []}
     report = {"ngram": args.ngram, "kinds": {}}
     for kind in KINDS:
         prompts = list({p["prompt"]: p for p in sources[kind]}.values())  # deduplicated
-        clean = [p for p in prompts if not word_ngrams(p["prompt"], args.ngram) & contaminated]
+        clean = [p for p in prompts if not overlaps_eval(p["prompt"])]
         rng.shuffle(clean)
         heldout, train = clean[: args.heldout_per_kind], clean[args.heldout_per_kind :][: args.per_kind]
         splits["heldout"] += heldout
