@@ -421,6 +421,9 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
     assert without_timing(resumed) == without_timing(whole)
     assert resumed["calibration"]["rounds"] == whole["calibration"]["rounds"]
 
+    digest = evaluate.folder_digest(str(draft_dir))  # an SGLang STS file does not change what transformers loads
+    (draft_dir / calibrate.STS_FILE).write_text(json.dumps({"temperatures": [1.0] * 7}))
+    assert evaluate.folder_digest(str(draft_dir)) == digest
     config = json.loads((draft_dir / "config.json").read_text())  # a recalibrated draft at the same path
     (draft_dir / "config.json").write_text(json.dumps({**config, "confidence_temperatures": [2.0] * 7}))
     with pytest.raises(SystemExit, match=r"draft sha256 \(was '[0-9a-f]{16}', now '[0-9a-f]{16}'\)"):

@@ -43,12 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import tools  # noqa: E402,F401
 from dspark.configuration_dspark import DSparkConfig  # noqa: E402
 from tools.common import (  # noqa: E402
-    DTYPES, RoundRecords, add_model_arguments, apply_threads, expected_calibration_error, load_dspark_draft,
-    load_target, read_jsonl, resolve_device, survival, teacher_forced_rounds, write_json,
+    DTYPES, STS_FILE, RoundRecords, add_model_arguments, apply_threads, expected_calibration_error,
+    load_dspark_draft, load_target, read_jsonl, resolve_device, survival, teacher_forced_rounds, write_json,
 )
 
 TEMPERATURE_GRID = torch.logspace(-1, 1, 41, dtype=torch.float64)  # 0.1 .. 10
-STS_FILE = "sts.json"  # in the draft folder, for SGLang's --speculative-dspark-confidence-sts-path
 
 
 def fit_sequential_temperatures(rounds: RoundRecords, num_bins: int = 10) -> list[float]:

@@ -34,6 +34,7 @@ REPO_ROOT = tools.REPO_ROOT
 REMOTE_CODE_FILES = ("configuration_dspark.py", "modeling_dspark.py", "generation_utils.py", "kernels.py")
 EVAL_DIR = REPO_ROOT / "eval"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STS_FILE = "sts.json"  # a draft's confidence temperatures for SGLang (--speculative-dspark-confidence-sts-path)
 
 
 # ---------------------------------------------------------------------------------------------- files

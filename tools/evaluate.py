@@ -47,7 +47,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
 import tools  # noqa: E402,F401
 from tools.common import (  # noqa: E402
-    DTYPES, ForwardCounter, RoundRecords, add_model_arguments, apply_threads, chat_prompt_ids,
+    DTYPES, STS_FILE, ForwardCounter, RoundRecords, add_model_arguments, apply_threads, chat_prompt_ids,
     expected_calibration_error, finished_lines, load_dspark_draft, load_eval_prompts, load_target,
     refuse_other_settings, reliability_bins, resolve_device, round_counts, sampling_kwargs, survival,
     teacher_forced_rounds, write_json,
@@ -309,13 +309,15 @@ def plot(report: dict, out: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------- main
 def folder_digest(path: str | None) -> str | None:
-    """sha256 (16 hex digits) of a local model folder's JSON and safetensors files, so that a retrained or
-    recalibrated model at the same path is not resumed over; None for no model or a Hub id."""
+    """sha256 (16 hex digits) of a local model folder's JSON and safetensors files (but SGLang's STS file, which
+    transformers never reads), so that a retrained or recalibrated model at the same path is not resumed over;
+    None for no model or a Hub id."""
     folder = Path(resolve_target(path)) if path else None
     if folder is None or not folder.is_dir():
         return None
     digest = hashlib.sha256()
-    for file in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+    configs = sorted(file for file in folder.glob("*.json") if file.name != STS_FILE)
+    for file in configs + sorted(folder.glob("*.safetensors")):
         digest.update(file.name.encode())
         with open(file, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 24), b""):
