@@ -210,7 +210,8 @@ class DSparkConfig(PreTrainedConfig):
         config_dict = dict(config_dict)
         for key in [key for key in kwargs if key in CONFIG_KEYS]:
             value = kwargs.pop(key)
-            overrides = value if key == "dflash_config" and isinstance(value, dict) else {key: value}
+            nested_override = key == "dflash_config" and isinstance(value, dict)  # its DSpark keys, as in a file
+            overrides = {k: v for k, v in value.items() if k in DSPARK_KEYS} if nested_override else {key: value}
             config_dict.update(overrides)
             if isinstance(config_dict.get("dflash_config"), dict):
                 nested = {k: v for k, v in overrides.items() if k in DSPARK_KEYS}

@@ -76,7 +76,7 @@ from .kernels import verify_block
 TRUNCATION_MODES = ("full", "threshold", "schedule")
 ROLLBACK_METHODS = ("auto", "replay", "rerun", "none")
 
-SPS_PROFILE_VERSION = 2  # what `profile_sps` times; a new value invalidates the curves cached by older code
+SPS_PROFILE_VERSION = 3  # what `profile_sps` times; a new value invalidates the curves cached by older code
 
 # Chunked delta-rule kernels whose inputs can be replayed with the matching token-by-token recurrence:
 # (module-level chunk function, recurrent function), looked up in the target's modeling module. A verify
@@ -99,8 +99,10 @@ REPLAYABLE_KEYWORDS = frozenset(
 # replay forward). The first user installs one and the last removes it, also when it raised; in between it acts
 # only for the DSpark calls running in the current context (thread), through a ContextVar, so concurrent calls
 # share it and every other call of the model is unchanged.
-_INSTALL_LOCK = threading.Lock()
-_KERNEL_ROUTE = "_dspark_kernel_route"  # on a kernel wrapper, for every copy of this file: {"route": ContextVar, "users"}
+_INSTALL_LOCK = threading.Lock()  # this copy's capture hooks (each copy of this file installs its own)
+# On a kernel wrapper, for every copy of this file: {"route": ContextVar, "users": int}. (Revisions before the
+# wrapper was call-scoped marked theirs "_dspark_kernel_route": the two treat each other's as foreign.)
+_KERNEL_ROUTE = "_dspark_routed_kernel"
 
 
 def decoder_layers(target: nn.Module) -> nn.ModuleList:
@@ -147,8 +149,10 @@ class TargetFeatureCapture:
         return self
 
     def __exit__(self, *exc) -> None:
-        _open_captures.reset(self._token)
-        _release_capture_hooks(self._slots)
+        try:
+            _open_captures.reset(self._token)
+        finally:
+            _release_capture_hooks(self._slots)
 
     def record(self, layer: nn.Module, output) -> None:
         """Called by the capture hooks with every layer output of this context's forwards."""
@@ -296,8 +300,9 @@ def profile_sps(
     rollback: str = "auto",
 ) -> SpsCurve:
     """Time verify steps of [batch_size, t] tokens (t = 1 .. max_tokens_per_row) after a context of
-    `context_length` tokens, as the decoder runs them (the target forward and the `rollback` of all t tokens);
-    returns the median steps/s per token count (batch_size * t)."""
+    `context_length` tokens, as the decoder runs them: the target forward, then the `rollback` of all but the
+    first token (decoding always commits at least the anchor; with rerun, that is a forward of the kept token).
+    Returns the median steps/s per token count (batch_size * t)."""
     vocab_size = target.config.get_text_config(decoder=True).vocab_size
     device, devices = _input_device(target), _devices(target)
     target_cache = TargetCache(target, rollback)
@@ -308,8 +313,7 @@ def profile_sps(
     for tokens in range(1, max_tokens_per_row + 1):
         input_ids = torch.randint(vocab_size, (batch_size, tokens), device=device)
         position_ids = torch.arange(context_length, context_length + tokens, device=device).expand(batch_size, -1)
-        # Forget the timed tokens again (a one-token forward updates conv windows in place: keep it).
-        kept = torch.full((batch_size,), 1 if tokens == 1 else 0, device=device)
+        kept = torch.ones(batch_size, dtype=torch.long, device=device)  # decoding commits at least the anchor
         seconds = []
         for _ in range(repeats + 1):  # the first run warms up
             _synchronize(devices)
@@ -618,8 +622,7 @@ class TargetCache:
             layer.crop(-verify_length)
         self.slot_mask = self.slot_mask[:, :-verify_length]
         input_ids = self._verify["input_ids"][:, :num_committed]
-        if num_committed:  # (decoding always commits the anchor; `profile_sps` commits nothing)
-            self.forward(input_ids, self._verify["position_ids"][:, :num_committed], num_logits=1)
+        self.forward(input_ids, self._verify["position_ids"][:, :num_committed], num_logits=1)
         for layer in self.linear_layers:
             _reslice_conv_windows(layer, torch.zeros(input_ids.shape[0], dtype=torch.long, device=input_ids.device))
 
@@ -663,10 +666,12 @@ def _routed_kernel(module, name: str, interceptor):
     `interceptor(kernel, *args, **kwargs)` while the block runs; calls from other contexts reach the kernel.
 
     The first block installs the wrapper that routes them and the last removes it. Copies of this file (remote code
-    is copied once per revision) share one wrapper: it is found by its mark, also under other `functools.wraps`
-    wrappers. One that another wrapper was installed over cannot be unlinked: it stays, a pass-through.
+    is copied once per revision) share one wrapper, found by its mark (also under other `functools.wraps`
+    wrappers), and one lock, kept on the modeling module. One that another wrapper was installed over cannot be
+    unlinked: it stays, a pass-through.
     """
-    with _INSTALL_LOCK:
+    lock = vars(module).setdefault("_dspark_install_lock", threading.Lock())  # shared by every copy of this file
+    with lock:
         wrapper = inspect.unwrap(getattr(module, name), stop=lambda function: hasattr(function, _KERNEL_ROUTE))
         if not hasattr(wrapper, _KERNEL_ROUTE):
             kernel, route = getattr(module, name), contextvars.ContextVar(f"dspark_{name}", default=None)
@@ -685,7 +690,7 @@ def _routed_kernel(module, name: str, interceptor):
         yield
     finally:
         state["route"].reset(token)
-        with _INSTALL_LOCK:
+        with lock:
             state["users"] -= 1
             if not state["users"] and getattr(module, name) is wrapper:
                 setattr(module, name, wrapper.__wrapped__)

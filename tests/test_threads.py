@@ -21,7 +21,6 @@ from dspark import generation_utils
 from dspark.generation_utils import TargetFeatureCapture, decoder_layers, dspark_generate
 
 CALLS_PER_THREAD, NEW_TOKENS = 3, 24
-KERNEL_ROUTE = "_dspark_kernel_route"  # the mark of the kernel wrapper
 
 
 def _thread_prompts(name: str, thread: int) -> list[torch.Tensor]:
@@ -55,12 +54,13 @@ def _in_threads(*jobs):
         return [future.result() for future in [pool.submit(run, job) for job in jobs]]
 
 
-def _routes(kernel) -> set:
-    """The DSpark routes (ContextVars) along a kernel's chain of `functools.wraps` wrappers."""
+def _routes(kernel) -> list:
+    """The DSpark routing states along a kernel's chain of `functools.wraps` wrappers."""
     chain = [kernel]
     while hasattr(chain[-1], "__wrapped__"):
         chain.append(chain[-1].__wrapped__)
-    return {getattr(function, KERNEL_ROUTE) for function in chain if hasattr(function, KERNEL_ROUTE)}
+    return [getattr(function, generation_utils._KERNEL_ROUTE) for function in chain
+            if hasattr(function, generation_utils._KERNEL_ROUTE)]
 
 
 def _assert_nothing_installed(target) -> None:
