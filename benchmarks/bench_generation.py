@@ -12,7 +12,8 @@ allocated bytes per method on CUDA, the process's peak RSS on CPU, and the draft
 Without --target it runs in seconds on the tiny models of tests/tiny_models.py (`--tiny
 qwen3|deepseek_v3|kimi_linear`, a partially agreeing fitted draft); the embedded pair, or any other pair, runs
 with `--target DIR --draft DIR [--assistant DIR] [--dflash DIR]`, each prompt rendered as one user turn with
-the target's chat template as tools/evaluate.py renders it, models in --dtype (float32 by default, as there).
+the target's chat template as tools/evaluate.py renders it, every model in --dtype (float32 by default, as
+evaluate loads them).
 
     python benchmarks/bench_generation.py --tiny kimi_linear --max-new-tokens 32
     python benchmarks/bench_generation.py --target embedded/target --draft embedded/dspark --assistant DIR
