@@ -62,8 +62,8 @@ from transformers.generation import (
     StoppingCriteriaList,
     StopStringCriteria,
     SuppressTokensAtBeginLogitsProcessor,
-    SynthIDTextWatermarkLogitsProcessor,
     SuppressTokensLogitsProcessor,
+    SynthIDTextWatermarkLogitsProcessor,
     TemperatureLogitsWarper,
     TopHLogitsWarper,
     TopKLogitsWarper,
@@ -309,11 +309,11 @@ def profile_sps(
     context = torch.randint(vocab_size, (batch_size, context_length), device=device)
     target_cache.forward(context, torch.arange(context_length, device=device).expand(batch_size, -1), num_logits=1)
     target_cache.start_recording()
+    kept = torch.ones(batch_size, dtype=torch.long, device=device)  # decoding commits at least the anchor
     points = {}
     for tokens in range(1, max_tokens_per_row + 1):
         input_ids = torch.randint(vocab_size, (batch_size, tokens), device=device)
         position_ids = torch.arange(context_length, context_length + tokens, device=device).expand(batch_size, -1)
-        kept = torch.ones(batch_size, dtype=torch.long, device=device)  # decoding commits at least the anchor
         seconds = []
         for _ in range(repeats + 1):  # the first run warms up
             _synchronize(devices)

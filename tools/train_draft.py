@@ -335,18 +335,20 @@ class Trainer:
         else:
             path = Path(spec)
         state = load_training_state(path / "trainer_state.pt", map_location=self.device)
-        refuse_other_settings(path, {k: v for k, v in state["args"].items() if k not in RESUME_MAY_CHANGE},
-                              {k: v for k, v in vars(self.args).items() if k not in RESUME_MAY_CHANGE},
+        def run_settings(args: dict) -> dict:
+            return {key: value for key, value in args.items() if key not in RESUME_MAY_CHANGE}
+
+        refuse_other_settings(path, run_settings(state["args"]), run_settings(vars(self.args)),
                               "Resume with the run's settings, or start a new --out (--init-from takes its weights).")
         weights = load_file(path / "model.safetensors", device=str(self.device))
         self.model.load_state_dict(weights)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.elapsed, self.tokens = state["step"], state["elapsed"], state["tokens"]
-        log = self.out / "train_log.jsonl"
-        if self.is_main and log.exists():  # the steps logged after this checkpoint are run (and logged) again
-            log.write_text("".join(line for line in finished_lines(log) if json.loads(line)["step"] <= self.step))
         if self.is_main:
+            log = self.out / "train_log.jsonl"
+            if log.exists():  # the steps logged after this checkpoint are run (and logged) again
+                log.write_text("".join(line for line in finished_lines(log) if json.loads(line)["step"] <= self.step))
             print(f"resumed from {path} at step {self.step}")
 
     def autocast(self):
