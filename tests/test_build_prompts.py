@@ -67,3 +67,27 @@ def test_mbpp_style_requests_read_as_tasks():
         "Write a python function `area_of_circle` to return the area of a circle with the given radius."
     )
     assert build_prompts.mbpp_request('def f():\n    """area."""') is None
+
+
+def test_a_later_batch_of_training_prompts_is_disjoint_and_keeps_the_heldout_prompts(tmp_path):
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    write_jsonl(eval_dir / "gsm8k.jsonl", [{"turns": [EVAL_QUESTION]}])
+    gsm8k = tmp_path / "gsm8k_train.jsonl"
+    write_jsonl(gsm8k, [{"question": f"A shop sells {n} pens a day for {n + 3} days. How many pens?"} for n in range(40)])
+    (tmp_path / "src").mkdir()
+    common = ["--gsm8k", str(gsm8k), "--roots", str(tmp_path / "src"), "--eval-dir", str(eval_dir),
+              "--per-kind", "12", "--heldout-per-kind", "5"]
+
+    def prompts(folder, *extra):
+        build_prompts.main(["--out", str(tmp_path / folder), *common, *extra])
+        return ({row["prompt"] for row in read_jsonl(tmp_path / folder / f"{split}.jsonl")}
+                for split in ("train", "heldout"))
+
+    first_train, first_heldout = prompts("first")
+    later_train, later_heldout = prompts("later", "--train-skip-per-kind", "12")
+    both_train, _ = prompts("both", "--per-kind", "24")
+
+    assert later_heldout == first_heldout and not later_train & first_train
+    assert len(later_train) == 24  # 12 math + 12 chat
+    assert first_train | later_train == both_train  # the two batches are one larger run, split in two

@@ -14,11 +14,15 @@ Contamination check: a prompt is dropped when it shares any word `--ngram`-gram 
 any turn of any evaluation set, format boilerplate aside (n-grams found in `--boilerplate-rows` or more
 evaluation rows, such as HumanEval's instruction line); the counts are reported. Prompts are deduplicated.
 Each source is shuffled with `--seed` and split
-into train and held-out prompts. Output in --out: `train.jsonl`, `heldout.jsonl` (`{"prompt", "kind",
+into held-out prompts (the first `--heldout-per-kind`) and training prompts (the next `--per-kind`, after
+skipping `--train-skip-per-kind`): the split depends only on the seed and the sources, so a later run with
+`--train-skip-per-kind` equal to an earlier run's `--per-kind` gives new training prompts, disjoint from that
+run's and with the same held-out prompts. Output in --out: `train.jsonl`, `heldout.jsonl` (`{"prompt", "kind",
 "source"}` per line, what tools/regenerate_data.py reads) and `prompts.json` (counts, overlap report).
 
-Example:
+Examples (the shipped prompt sets; the second is the next 400 training prompts per kind):
     python tools/build_prompts.py --out data/chat_prompts --per-kind 400 --heldout-per-kind 48
+    python tools/build_prompts.py --out data/chat_prompts_2 --per-kind 400 --train-skip-per-kind 400
 """
 
 from __future__ import annotations
@@ -159,12 +163,13 @@ def build(args) -> dict:
     overlaps_eval = EvalOverlap(Path(args.eval_dir), args.ngram, args.boilerplate_rows)
     rng = random.Random(args.seed)
     splits = {"train": [], "heldout": []}
-    report = {"ngram": args.ngram, "kinds": {}}
+    report = {"ngram": args.ngram, "train_skip_per_kind": args.train_skip_per_kind, "kinds": {}}
     for kind in KINDS:
         prompts = list({p["prompt"]: p for p in sources[kind]}.values())  # deduplicated
         clean = [p for p in prompts if not overlaps_eval(p["prompt"])]
         rng.shuffle(clean)
-        heldout, train = clean[: args.heldout_per_kind], clean[args.heldout_per_kind :][: args.per_kind]
+        heldout = clean[: args.heldout_per_kind]
+        train = clean[args.heldout_per_kind + args.train_skip_per_kind :][: args.per_kind]
         splits["heldout"] += heldout
         splits["train"] += train
         report["kinds"][kind] = {"candidates": len(prompts), "overlapping_eval": len(prompts) - len(clean),
@@ -193,6 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--boilerplate-rows", type=int, default=5,
                         help="eval n-grams in this many rows or more are format boilerplate, not content")
     parser.add_argument("--per-kind", type=int, default=400, help="training prompts per kind")
+    parser.add_argument("--train-skip-per-kind", type=int, default=0,
+                        help="training prompts per kind to skip (an earlier run's --per-kind: a disjoint batch)")
     parser.add_argument("--heldout-per-kind", type=int, default=48, help="held-out prompts per kind")
     parser.add_argument("--seed", type=int, default=0)
     return parser
