@@ -23,7 +23,7 @@
    calibration.txt in --out.
 
 Example:
-    python tools/calibrate.py --target embedded/target --draft embedded/dspark \
+    python tools/calibrate.py --target embedded/target --draft embedded/dspark \\
         --data data/regen/heldout_skip64.jsonl --eval-data data/regen/heldout.jsonl
     python tools/calibrate.py --draft embedded/dspark --data A.jsonl B.jsonl C.jsonl --cross-validate
 """
