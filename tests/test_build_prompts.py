@@ -77,15 +77,15 @@ def test_a_later_batch_of_training_prompts_is_disjoint_and_keeps_the_heldout_pro
     write_jsonl(gsm8k, [{"question": f"A shop sells {n} pens a day for {n + 3} days. How many pens?"} for n in range(40)])
     (tmp_path / "src").mkdir()
     common = ["--gsm8k", str(gsm8k), "--roots", str(tmp_path / "src"), "--eval-dir", str(eval_dir),
-              "--per-kind", "12", "--heldout-per-kind", "5"]
+              "--heldout-per-kind", "5"]
 
     def prompts(folder, *extra):
         build_prompts.main(["--out", str(tmp_path / folder), *common, *extra])
         return ({row["prompt"] for row in read_jsonl(tmp_path / folder / f"{split}.jsonl")}
                 for split in ("train", "heldout"))
 
-    first_train, first_heldout = prompts("first")
-    later_train, later_heldout = prompts("later", "--train-skip-per-kind", "12")
+    first_train, first_heldout = prompts("first", "--per-kind", "12")
+    later_train, later_heldout = prompts("later", "--per-kind", "12", "--train-skip-per-kind", "12")
     both_train, _ = prompts("both", "--per-kind", "24")
 
     assert later_heldout == first_heldout and not later_train & first_train

@@ -13,12 +13,12 @@ Three sources, all disjoint from the evaluation sets in eval/ (checked below):
 Contamination check: a prompt is dropped when it shares any word `--ngram`-gram (lower-cased words) with
 any turn of any evaluation set, format boilerplate aside (n-grams found in `--boilerplate-rows` or more
 evaluation rows, such as HumanEval's instruction line); the counts are reported. Prompts are deduplicated.
-Each source is shuffled with `--seed` and split
-into held-out prompts (the first `--heldout-per-kind`) and training prompts (the next `--per-kind`, after
-skipping `--train-skip-per-kind`): the split depends only on the seed and the sources, so a later run with
-`--train-skip-per-kind` equal to an earlier run's `--per-kind` gives new training prompts, disjoint from that
-run's and with the same held-out prompts. Output in --out: `train.jsonl`, `heldout.jsonl` (`{"prompt", "kind",
-"source"}` per line, what tools/regenerate_data.py reads) and `prompts.json` (counts, overlap report).
+Each source is shuffled with `--seed` and split into held-out prompts (the first `--heldout-per-kind`) and
+training prompts (the next `--per-kind`, after skipping `--train-skip-per-kind`): the split depends only on the
+seed and the sources, so a later run with `--train-skip-per-kind` equal to an earlier run's `--per-kind` gives new
+training prompts, disjoint from that run's, and the same held-out prompts. Output in --out: `train.jsonl`,
+`heldout.jsonl` (`{"prompt", "kind", "source"}` per line, what tools/regenerate_data.py reads) and
+`prompts.json` (counts, overlap report).
 
 Examples (the shipped prompt sets; the second is the next 400 training prompts per kind):
     python tools/build_prompts.py --out data/chat_prompts --per-kind 400 --heldout-per-kind 48
