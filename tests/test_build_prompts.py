@@ -35,8 +35,10 @@ def test_prompts_sharing_an_ngram_with_an_eval_prompt_are_dropped_but_boilerplat
     gsm8k = tmp_path / "gsm8k_train.jsonl"
     write_jsonl(gsm8k, [{"question": EVAL_QUESTION.replace("Tom", "Ann")},  # shares 8-grams: contaminated
                         {"question": "A farmer plants 12 rows of 9 trees each. How many trees are planted?"}])
-    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "site-packages" / "installed").mkdir(parents=True)
     (tmp_path / "src" / "geometry.py").write_text(SOURCE)
+    # Installed packages vary between machines: left out, so the prompts depend on the Python version alone.
+    (tmp_path / "src" / "site-packages" / "installed" / "shapes.py").write_text(SOURCE.replace("circle", "square"))
 
     report = build_prompts.main(["--out", str(tmp_path / "out"), "--gsm8k", str(gsm8k), "--roots",
                                  str(tmp_path / "src"), "--eval-dir", str(eval_dir), "--per-kind", "10",
@@ -48,6 +50,7 @@ def test_prompts_sharing_an_ngram_with_an_eval_prompt_are_dropped_but_boilerplat
     assert not any("apples" in prompt for prompt in prompts)
     code = sorted(row["prompt"] for row in train if row["kind"] == "code")  # the instruction is boilerplate
     assert len(code) == 2 and "def area_of_circle(radius):" in code[0] + code[1]
+    assert not any("square" in prompt for prompt in prompts)
     assert report["kinds"]["chat"]["train"] == 10 and report["train_heldout_overlap"] == 0
 
 

@@ -36,14 +36,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.chat_format import code_response, code_user_turn  # noqa: E402
 
 EXCLUDE_PREFIXES = ("/work",)
-SKIP_DIRS = {"__pycache__", ".git", "node_modules"}
+SKIP_DIRS = frozenset({"__pycache__", ".git", "node_modules"})
 
 
-def iter_py_files(roots: list[str], max_bytes: int):
+def iter_py_files(roots: list[str], max_bytes: int, skip_dirs: frozenset[str] = SKIP_DIRS):
     seen_real = set()
     for root in roots:
         for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS)
+            dirnames[:] = sorted(d for d in dirnames if d not in skip_dirs)
             for name in sorted(filenames):
                 if not name.endswith(".py"):
                     continue

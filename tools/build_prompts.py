@@ -4,7 +4,8 @@
 Three sources, all disjoint from the evaluation sets in eval/ (checked below):
 
 - math: questions of the GSM8K *training* split (`--gsm8k`, MIT; eval/gsm8k.jsonl is the test split);
-- code: functions with a docstring from this machine's Python sources (tools/build_corpus.py's walk), asked
+- code: functions with a docstring from the Python standard library's sources (tools/build_corpus.py's walk,
+  `site-packages` left out so that the prompts depend on the Python version alone, not on what is installed), asked
   two ways: HumanEval style (signature + docstring, `chat_format.code_user_turn`) and MBPP style ("Write a
   python function to <the docstring's first sentence>");
 - chat: instructions composed from the templates and topics below (written for this project, MIT), in the
@@ -38,7 +39,7 @@ from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
-from tools.build_corpus import extract_pairs, iter_py_files  # noqa: E402
+from tools.build_corpus import SKIP_DIRS, extract_pairs, iter_py_files  # noqa: E402
 from tools.chat_format import code_user_turn  # noqa: E402
 from tools.common import EVAL_DIR, REPO_ROOT, read_jsonl, write_json  # noqa: E402
 
@@ -86,7 +87,7 @@ def code_prompts(roots: list[str], max_files: int) -> list[dict]:
     """Per function with a docstring (3..40 lines): a HumanEval-style stub, and where the docstring's first
     sentence reads as a task, an MBPP-style request; alternating, one prompt per function."""
     prompts, seen = [], set()
-    for index, (relative, real) in enumerate(iter_py_files(roots, 200_000)):
+    for index, (relative, real) in enumerate(iter_py_files(roots, 200_000, SKIP_DIRS | {"site-packages"})):
         if max_files and index >= max_files:
             break
         try:
@@ -191,8 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="data/chat_prompts", help="output folder (default: %(default)s)")
     parser.add_argument("--gsm8k", default=str(REPO_ROOT.parent / "shared/data/train/gsm8k_train.jsonl"),
                         help="GSM8K training split, JSON lines with `question` (default: %(default)s)")
-    parser.add_argument("--roots", nargs="*", default=None, help="Python source roots (default: the stdlib dir)")
-    parser.add_argument("--max-files", type=int, default=4000, help="source files to walk (0 = all)")
+    parser.add_argument("--roots", nargs="*", default=None, help="Python source roots, installed packages left out (default: the stdlib dir)")
+    parser.add_argument("--max-files", type=int, default=0, help="source files to walk (default: 0 = all)")
     parser.add_argument("--eval-dir", default=str(EVAL_DIR), help="evaluation sets checked for overlap")
     parser.add_argument("--ngram", type=int, default=8, help="word n-gram length of the overlap check")
     parser.add_argument("--boilerplate-rows", type=int, default=5,
