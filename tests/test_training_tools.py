@@ -10,6 +10,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -21,9 +22,9 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer, KimiLin
 import tools  # noqa: F401  (registers the repository root as the package `dspark`)
 from dspark.configuration_dspark import DSparkConfig
 from dspark.generation_utils import _DSparkDecoder, dspark_generate
-from tools import calibrate, chat_format, compare_runs, regenerate_data, train_draft
+from tools import calibrate, chat_format, common, compare_runs, regenerate_data, train_draft
 from tools.common import (
-    REMOTE_CODE_FILES, REPO_ROOT, RoundRecords, load_eval_prompts, load_training_state, read_jsonl,
+    REMOTE_CODE_FILES, REPO_ROOT, RoundRecords, load_eval_prompts, load_target, load_training_state, read_jsonl,
     save_training_state, survival, teacher_forced_rounds,
 )
 from tiny_models import TARGETS, agreeing_prompts, fitted_draft, qwen3_target
@@ -483,6 +484,21 @@ def test_bf16_autocast_trains_the_same_model_in_mixed_precision(workspace):
     assert mixed != full  # the matmuls did run in bfloat16
     weights = load_file(workspace / "autocast" / "final" / "model.safetensors")
     assert all(tensor.dtype == torch.float32 for tensor in weights.values())
+
+
+def test_bf16_on_a_cpu_without_native_bf16_is_named_with_its_fix(workspace, monkeypatch):
+    """On an AVX2-only CPU bfloat16 matmuls are several times slower than float32: the tools say so."""
+    cpu, target = torch.device("cpu"), str(workspace / "target")
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="without native bfloat16.*--dtype fp32"):
+        load_target(target, cpu, torch.bfloat16)
+    with pytest.warns(UserWarning, match="without native bfloat16.*--autocast none"):
+        train(workspace, "dflash", "autocast-warning", "--max-steps", "1", "--autocast", "bf16")
+
+    monkeypatch.setattr(common, "cpu_has_native_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_target(target, cpu, torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", ["dspark", "assistant"])

@@ -68,7 +68,7 @@ from tools.feature_cache import FeatureCache
 from tools.common import (
     DTYPES, RoundRecords, add_model_arguments, apply_threads, finished_lines, load_target, load_training_state,
     read_jsonl, refuse_other_settings, resolve_device, save_hub_layout, save_training_state, teacher_forced_rounds,
-    write_json,
+    warn_if_bf16_is_slow, write_json,
 )
 
 KINDS = ("dspark", "dflash", "assistant")
@@ -257,6 +257,8 @@ class Trainer:
         self.is_main = self.rank == 0
         dtype = DTYPES[args.dtype]
         self.target, self.tokenizer = load_target(args.target, self.device, dtype, args.target_device_map)
+        if args.autocast == "bf16":
+            warn_if_bf16_is_slow(self.device, "--autocast bf16 runs the draft", "--autocast none")
         builder = build_assistant if args.kind == "assistant" else build_draft
         self.model = builder(args, self.target, self.tokenizer).float().to(self.device).train()
         if args.init_from:  # a saved draft of this architecture: its weights, with a fresh optimiser and schedule
