@@ -44,6 +44,7 @@ from tools.chat_format import code_user_turn  # noqa: E402
 from tools.common import EVAL_DIR, REPO_ROOT, read_jsonl, write_json  # noqa: E402
 
 KINDS = ("math", "code", "chat")
+CODE_SKIP_DIRS = SKIP_DIRS | {"site-packages"}  # installed packages differ between machines; the stdlib does not
 
 CHAT_TEMPLATES = (
     "Write a short blog post about {topic}.",
@@ -87,7 +88,7 @@ def code_prompts(roots: list[str], max_files: int) -> list[dict]:
     """Per function with a docstring (3..40 lines): a HumanEval-style stub, and where the docstring's first
     sentence reads as a task, an MBPP-style request; alternating, one prompt per function."""
     prompts, seen = [], set()
-    for index, (relative, real) in enumerate(iter_py_files(roots, 200_000, SKIP_DIRS | {"site-packages"})):
+    for index, (relative, real) in enumerate(iter_py_files(roots, 200_000, CODE_SKIP_DIRS)):
         if max_files and index >= max_files:
             break
         try:
@@ -192,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default="data/chat_prompts", help="output folder (default: %(default)s)")
     parser.add_argument("--gsm8k", default=str(REPO_ROOT.parent / "shared/data/train/gsm8k_train.jsonl"),
                         help="GSM8K training split, JSON lines with `question` (default: %(default)s)")
-    parser.add_argument("--roots", nargs="*", default=None, help="Python source roots, installed packages left out (default: the stdlib dir)")
+    parser.add_argument("--roots", nargs="*", default=None,
+                        help="Python source roots, installed packages left out (default: the stdlib dir)")
     parser.add_argument("--max-files", type=int, default=0, help="source files to walk (default: 0 = all)")
     parser.add_argument("--eval-dir", default=str(EVAL_DIR), help="evaluation sets checked for overlap")
     parser.add_argument("--ngram", type=int, default=8, help="word n-gram length of the overlap check")
