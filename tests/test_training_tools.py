@@ -307,6 +307,9 @@ def test_sts_lowers_ece_and_round_trips_through_config(tmp_path):
     assert after["pooled"] < 0.5 * before["pooled"]
     assert all(a <= b + 1e-9 for a, b in zip(after["per_position"], before["per_position"]))
     assert 2.0 < temperatures[0] < 4.5  # the scale that was applied
+    first_accept_rate = rounds.accepted[:, 0].double().mean().item()
+    assert before["mean_survival"][0] > first_accept_rate + 0.05  # the head overstates survival...
+    assert after["mean_survival"][0] == pytest.approx(first_accept_rate, abs=0.02)  # ...until its logits are scaled
     assert torch.all(survival(rounds.confidence_logits, temperatures).diff(dim=-1) <= 0)
 
     DSparkConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,

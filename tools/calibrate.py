@@ -11,11 +11,12 @@
 2. Fit: one temperature per position, left to right. Position k takes the temperature of a grid of 41
    log-spaced values in [0.1, 10] that minimises the expected calibration error of the survival
    a_k = prod_{j<=k} sigmoid(raw_j / T_j) (earlier T_j already fitted) against the prefix-accept mask.
-3. Report: the ECE of the survival per position and pooled, before (all temperatures 1) and after, on
-   rounds the fit did not see: those of --eval-data, or with --cross-validate each --data file scored
-   with the temperatures fitted on the other files (the ECE of the pooled out-of-fold survival, plus
-   each fold's). Without either, on the fitted rounds themselves, which flatters "after"; the report
-   says which. The temperatures written are always those fitted on all of --data.
+3. Report: the ECE of the survival per position and pooled, and its mean per position against the accept
+   rate (which way it errs), before (all temperatures 1) and after, on rounds the fit did not see: those
+   of --eval-data, or with --cross-validate each --data file scored with the temperatures fitted on the
+   other files (the ECE of the pooled out-of-fold survival, plus each fold's). Without either, on the
+   fitted rounds themselves, which flatters "after"; the report says which. The temperatures written are
+   always those fitted on all of --data.
 4. Write: the temperatures go into the draft's config.json `confidence_temperatures` (only that key is
    changed; transformers, through this remote code, reads them there) and into the draft's `sts.json`, in the
    format of SGLang's `--speculative-dspark-confidence-sts-path` (`DSparkStsCalibration`: temperatures,
@@ -69,15 +70,17 @@ def fit_sequential_temperatures(rounds: RoundRecords, num_bins: int = 10) -> lis
 
 
 def survival_ece(rounds: RoundRecords, temperatures: list[float] | torch.Tensor | None, num_bins: int = 10) -> dict:
-    """ECE of the survival per position and pooled over all valid (round, position) pairs. `temperatures`: one
-    per position, or [N, S] one per round and position."""
+    """ECE of the survival per position and pooled over all valid (round, position) pairs, and the mean survival per
+    position (against the accept rate, the direction of a miscalibration, which the ECE does not show).
+    `temperatures`: one per position, or [N, S] one per round and position."""
     curve = survival(rounds.confidence_logits.double(), temperatures)
+    valid, accepted = rounds.valid, rounds.accepted
     per_position = [
-        expected_calibration_error(curve[rounds.valid[:, k], k], rounds.accepted[rounds.valid[:, k], k], num_bins)
-        for k in range(curve.shape[1])
+        expected_calibration_error(curve[valid[:, k], k], accepted[valid[:, k], k], num_bins) for k in range(curve.shape[1])
     ]
-    pooled = expected_calibration_error(curve[rounds.valid], rounds.accepted[rounds.valid], num_bins)
-    return {"per_position": per_position, "pooled": pooled}
+    mean_survival = (curve.where(valid, 0).sum(0) / valid.sum(0).clamp(min=1)).tolist()
+    pooled = expected_calibration_error(curve[valid], accepted[valid], num_bins)
+    return {"per_position": per_position, "pooled": pooled, "mean_survival": mean_survival}
 
 
 def cross_validate(rounds_per_file: dict[str, RoundRecords], num_bins: int = 10) -> dict:
@@ -149,12 +152,15 @@ def report_text(report: dict) -> str:
                  "fitted on the others)")
     lines = [f"Sequential Temperature Scaling fitted on {report['rounds']} {report['round_kind']} greedy rounds "
              f"({report['positions']} positions); ECE on {where}",
-             f"{'position':>8} {'T':>8} {'accept':>8} {'ECE before':>11} {'ECE after':>10}"]
+             "(accept: the rate at which the first k drafts all survive; mean a_k: the mean survival predicted for it)",
+             f"{'position':>8} {'T':>8} {'accept':>8} {'mean a_k before':>16} {'after':>6} "
+             f"{'ECE before':>11} {'ECE after':>10}"]
     before, after = report["ece_before"], report["ece_after"]
     for k, t in enumerate(report["temperatures"]):
         lines.append(f"{k + 1:>8} {t:>8.3f} {report['prefix_accept_rate'][k]:>8.3f} "
+                     f"{before['mean_survival'][k]:>16.3f} {after['mean_survival'][k]:>6.3f} "
                      f"{before['per_position'][k]:>11.4f} {after['per_position'][k]:>10.4f}")
-    lines.append(f"{'pooled':>8} {'':>8} {'':>8} {before['pooled']:>11.4f} {after['pooled']:>10.4f}")
+    lines.append(f"{'pooled':>8} {'':>8} {'':>8} {'':>16} {'':>6} {before['pooled']:>11.4f} {after['pooled']:>10.4f}")
     for fold in report.get("folds", []):
         lines.append(f"fold {fold['data']}: {fold['rounds']} rounds, T {[round(t, 3) for t in fold['temperatures']]}, "
                      f"ECE {fold['ece_before']:.4f} -> {fold['ece_after']:.4f}")
