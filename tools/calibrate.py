@@ -76,7 +76,8 @@ def survival_ece(rounds: RoundRecords, temperatures: list[float] | torch.Tensor 
     curve = survival(rounds.confidence_logits.double(), temperatures)
     valid, accepted = rounds.valid, rounds.accepted
     per_position = [
-        expected_calibration_error(curve[valid[:, k], k], accepted[valid[:, k], k], num_bins) for k in range(curve.shape[1])
+        expected_calibration_error(curve[valid[:, k], k], accepted[valid[:, k], k], num_bins)
+        for k in range(curve.shape[1])
     ]
     mean_survival = (curve.where(valid, 0).sum(0) / valid.sum(0).clamp(min=1)).tolist()
     pooled = expected_calibration_error(curve[valid], accepted[valid], num_bins)
