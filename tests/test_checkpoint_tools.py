@@ -16,6 +16,7 @@ from dspark.configuration_dspark import DSPARK_KEYS, DSparkConfig
 from dspark.modeling_dspark import DSparkDraftModel
 from test_config import tiny_kwargs
 from tools import convert_checkpoint, verify_checkpoint
+from tools.common import REMOTE_CODE_FILES
 from tools.convert_checkpoint import convert_checkpoint as convert, write_hub_checkpoint
 from tools.verify_checkpoint import verify_checkpoint as verify
 
@@ -494,3 +495,13 @@ def test_converter_reports_a_bad_source_in_one_error_line(source_kind, tmp_path,
     code, failure = run_cli(convert_checkpoint, [source, tmp_path / "out"], capsys)
     assert code == 2 and not failure["ok"] and message in failure["error"]
     assert not (tmp_path / "out").exists()
+
+
+def test_every_shipped_draft_folder_carries_the_repository_remote_code_unchanged():
+    """The Hub layout needs the remote code beside each draft's weights: those copies are the top-level files."""
+    draft_folders = sorted({path.parent for path in (tools.REPO_ROOT / "embedded").rglob("modeling_dspark.py")})
+    assert len(draft_folders) >= 4  # the Kimi pair's drafts and SmolLM2's
+    for folder in draft_folders:
+        for name in REMOTE_CODE_FILES:
+            assert (folder / name).read_bytes() == (tools.REPO_ROOT / name).read_bytes(), (
+                f"{folder.relative_to(tools.REPO_ROOT)}/{name} differs from the top-level {name}: copy it over")
