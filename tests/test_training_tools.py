@@ -291,6 +291,44 @@ def test_decoded_rounds_are_the_rounds_greedy_decoding_runs(monkeypatch):
         assert accepted[:whole_blocks] == decoding_accepted[:whole_blocks]
 
 
+def test_rounds_measure_the_confidence_heads_training_target():
+    """`sampling_acceptance` is 1 - L1/2 between the draft's and the target's distributions of the same token (the
+    confidence head's training target). The embedded draft, trained on its target, is accepted at position 1 in
+    most greedy rounds, and its T=1 acceptance there is as high (pairing the target's distribution of the next
+    token instead, a one-token shift, gives about 0.17)."""
+    target = AutoModelForCausalLM.from_pretrained(common.REPO_ROOT / "embedded/target")
+    draft = AutoModel.from_pretrained(common.REPO_ROOT / "embedded/dspark", trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(common.REPO_ROOT / "embedded/target")
+    rounds = []
+    for question in ["Write a Python function that reverses a list.", "What is 12 times 7?"]:
+        prompt = torch.tensor(common.chat_prompt_ids(tokenizer, question))
+        sequence = target.generate(prompt[None], max_new_tokens=48, do_sample=False)[0]
+        rounds.append(teacher_forced_rounds(target, draft, sequence.tolist(), len(prompt)))
+    rounds = RoundRecords.concatenate(rounds)
+    first = rounds.valid[:, 0]  # every round reaches position 1
+    sampling, accepted = rounds.sampling_acceptance[first, 0], rounds.accepted[first, 0]
+    assert calibrate.conditional_acceptance(rounds)["rounds"][0] == int(first.sum())
+    assert 0 < int(accepted.sum()) < len(accepted)
+    assert bool(((sampling >= 0) & (sampling <= 1 + 1e-6)).all())
+    assert accepted.float().mean() > 0.7
+    assert sampling.mean() == pytest.approx(accepted.float().mean(), abs=0.05)
+
+
+def test_conditional_acceptance_counts_the_rounds_that_reach_each_position():
+    accepted = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    valid = torch.ones(4, 3, dtype=torch.bool)
+    valid[1, 2] = False
+    sampling = torch.tensor([[0.9, 0.8, 0.1], [0.7, 0.2, 0.0], [0.1, 0.5, 0.5], [0.9, 0.9, 0.6]])
+    result = calibrate.conditional_acceptance(RoundRecords(torch.zeros(4, 3), accepted, valid, sampling))
+    assert result["rounds"] == [4, 3, 2]  # position 3: rounds 0 and 3 (round 1 rejected draft 2)
+    assert result["accept_rate"] == pytest.approx([3 / 4, 2 / 3, 1 / 2])
+    assert result["mean_confidence"] == pytest.approx([0.5, 0.5, 0.5])
+    assert result["mean_training_target"] == pytest.approx([(0.9 + 0.7 + 0.1 + 0.9) / 4, (0.8 + 0.2 + 0.9) / 3,
+                                                             (0.1 + 0.6) / 2])
+    assert calibrate.conditional_acceptance(RoundRecords(torch.zeros(4, 3), accepted, valid))["mean_training_target"] \
+        is None
+
+
 def synthetic_rounds(scale: float, rounds: int = 4000, block_size: int = 7, seed: int = 0) -> RoundRecords:
     """Rounds whose true conditional acceptance is sigmoid(z) but whose head reports `scale` * z."""
     generator = torch.Generator().manual_seed(seed)
@@ -347,6 +385,9 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
                              str(workspace / "regen.jsonl"), "--limit", "2", "--out", str(workspace / "calibration")])
     assert report["validation"] == "in-sample"
     assert report["ece_after"]["pooled"] <= report["ece_before"]["pooled"] + 1e-9
+    conditional = report["conditional"]  # every round reaches position 1; later ones only after acceptances
+    assert conditional["rounds"][0] == report["eval_rounds"] and len(conditional["mean_training_target"]) == 7
+    assert "mean 1-L1/2" in (workspace / "calibration" / "calibration.txt").read_text()
     held_out = calibrate.main(["--target", str(workspace / "target"), "--draft", str(draft_dir), "--data",
                                str(workspace / "regen.jsonl"), "--limit", "2", "--eval-data",
                                str(workspace / "regen.jsonl"), "--eval-limit", "3", "--dry-run",

@@ -16,7 +16,10 @@
    of --eval-data, or with --cross-validate each --data file scored with the temperatures fitted on the
    other files (the ECE of the pooled out-of-fold survival, plus each fold's). Without either, on the
    fitted rounds themselves, which flatters "after"; the report says which. The temperatures written are
-   always those fitted on all of --data.
+   always those fitted on all of --data. Then, per position k over the rounds whose first k-1 drafts were
+   accepted, the raw confidence c_k against both the accept rate it predicts and the target it was trained
+   towards (1 - L1/2): a head that matches its training target but not the accept rate learned the wrong
+   quantity for these rounds, one that matches neither does not carry over to them.
 4. Write: the temperatures go into the draft's config.json `confidence_temperatures` (only that key is
    changed; transformers, through this remote code, reads them there) and into the draft's `sts.json`, in the
    format of SGLang's `--speculative-dspark-confidence-sts-path` (`DSparkStsCalibration`: temperatures,
@@ -82,6 +85,23 @@ def survival_ece(rounds: RoundRecords, temperatures: list[float] | torch.Tensor 
     mean_survival = (curve.where(valid, 0).sum(0) / valid.sum(0).clamp(min=1)).tolist()
     pooled = expected_calibration_error(curve[valid], accepted[valid], num_bins)
     return {"per_position": per_position, "pooled": pooled, "mean_survival": mean_survival}
+
+
+def conditional_acceptance(rounds: RoundRecords) -> dict:
+    """Per position k, over the rounds that reach it (drafts 1..k-1 accepted, so the Markov and confidence heads
+    saw the true previous tokens, as in training): how many, the rate at which draft k is accepted, the mean raw
+    confidence c_k (temperature 1), and the mean of its training target 1 - L1/2 (None if not measured)."""
+    accepted_before = torch.cat([torch.ones_like(rounds.accepted[:, :1]), rounds.accepted[:, :-1]], dim=-1)
+    reached = rounds.valid & accepted_before
+    count = reached.sum(0)
+
+    def mean(values: torch.Tensor) -> list[float]:
+        return ((values.double() * reached).sum(0) / count.clamp(min=1)).tolist()
+
+    training_target = rounds.sampling_acceptance
+    return {"rounds": count.tolist(), "accept_rate": mean(rounds.accepted),
+            "mean_confidence": mean(torch.sigmoid(rounds.confidence_logits.double())),
+            "mean_training_target": None if training_target is None else mean(training_target)}
 
 
 def cross_validate(rounds_per_file: dict[str, RoundRecords], num_bins: int = 10) -> dict:
@@ -165,6 +185,14 @@ def report_text(report: dict) -> str:
     for fold in report.get("folds", []):
         lines.append(f"fold {fold['data']}: {fold['rounds']} rounds, T {[round(t, 3) for t in fold['temperatures']]}, "
                      f"ECE {fold['ece_before']:.4f} -> {fold['ece_after']:.4f}")
+    conditional = report["conditional"]
+    lines += ["Per position, over the rounds whose earlier drafts were all accepted: the accept rate, the mean raw "
+              "confidence c_k that predicts it, and the mean of c_k's training target 1 - L1/2",
+              f"{'position':>8} {'rounds':>8} {'accept':>8} {'mean c_k':>9} {'mean 1-L1/2':>12}"]
+    for k, count in enumerate(conditional["rounds"]):
+        target = conditional["mean_training_target"]
+        lines.append(f"{k + 1:>8} {count:>8} {conditional['accept_rate'][k]:>8.3f} "
+                     f"{conditional['mean_confidence'][k]:>9.3f} {'-' if target is None else f'{target[k]:.3f}':>12}")
     return "\n".join(lines)
 
 
@@ -201,6 +229,7 @@ def calibrate(args) -> dict:
         "ece_before": survival_ece(eval_rounds, None, args.bins),
         "ece_after": ece_after,
         **({"folds": folds} if folds else {}),
+        "conditional": conditional_acceptance(eval_rounds),
         "written_to_config": not args.dry_run,
     }
     if not args.dry_run:

@@ -197,23 +197,26 @@ def load_eval_prompts(datasets: list[str], limit: int, eval_dir: str | Path = EV
 class RoundRecords:
     """Greedy DSpark rounds, one row per anchor.
 
-    confidence_logits: [N, S] raw confidence logits (no temperature), None without a confidence head.
-    accepted:          [N, S] bool, position k accepted in its round (every earlier one accepted too).
-    valid:             [N, S] bool, position k exists (the sequence does not end before it).
+    confidence_logits:   [N, S] raw confidence logits (no temperature), None without a confidence head.
+    accepted:            [N, S] bool, position k accepted in its round (every earlier one accepted too).
+    valid:               [N, S] bool, position k exists (the sequence does not end before it).
+    sampling_acceptance: [N, S] 1 - L1/2 between the draft's distribution (temperature 1) and the target's at
+                         position k: the probability that speculative sampling accepts a draft drawn there, and
+                         the confidence head's training target. None where not measured (synthetic rounds).
     """
 
     confidence_logits: torch.Tensor | None
     accepted: torch.Tensor
     valid: torch.Tensor
+    sampling_acceptance: torch.Tensor | None = None
 
     @staticmethod
     def concatenate(records: list[RoundRecords]) -> RoundRecords:
-        logits = [r.confidence_logits for r in records]
-        return RoundRecords(
-            None if any(x is None for x in logits) else torch.cat(logits),
-            torch.cat([r.accepted for r in records]),
-            torch.cat([r.valid for r in records]),
-        )
+        def cat(name: str) -> torch.Tensor | None:
+            parts = [getattr(r, name) for r in records]
+            return None if any(x is None for x in parts) else torch.cat(parts)
+
+        return RoundRecords(cat("confidence_logits"), cat("accepted"), cat("valid"), cat("sampling_acceptance"))
 
     def decoded(self) -> RoundRecords:
         """The rounds that greedy decoding runs, out of the rounds of ONE sequence at every anchor in order.
@@ -229,7 +232,8 @@ class RoundRecords:
             index += num_accepted[index] + 1
         kept = torch.tensor(kept, dtype=torch.long)
         logits = None if self.confidence_logits is None else self.confidence_logits[kept]
-        return RoundRecords(logits, self.accepted[kept], self.valid[kept])
+        sampling = None if self.sampling_acceptance is None else self.sampling_acceptance[kept]
+        return RoundRecords(logits, self.accepted[kept], self.valid[kept], sampling)
 
     def acceptance_length(self) -> float:
         """Mean accepted drafts + 1 (the bonus token) over rounds whose whole block lies in the sequence."""
@@ -250,15 +254,17 @@ def teacher_forced_rounds(
     `input_ids` must be the prompt followed by the target's own GREEDY continuation: lossless greedy
     decoding produces exactly that sequence, so the round anchored at any of its tokens sees the same
     context as in decoding, and draft d_{k+1} is accepted iff it equals the continuation's token at
-    anchor + k + 1 (and every earlier draft was accepted). One target forward gives the features of
-    all anchors; the blocks run in batches of `anchors_per_pass` through the draft's training mask.
+    anchor + k + 1 (and every earlier draft was accepted). One target forward gives the features and the
+    logits of all anchors; the blocks run in batches of `anchors_per_pass` through the draft's training mask.
+    Where the earlier drafts of a round were accepted, the Markov and confidence heads see the true previous
+    tokens, as in training, so there `sampling_acceptance` is exactly the confidence head's training target.
     """
     device = next(draft.parameters()).device
     block_size = draft.config.block_size
     ids = torch.tensor(input_ids, device=device)[None]
     seq_len = ids.shape[1]
     with TargetFeatureCapture(target, draft.config.target_layer_ids, device=device) as capture:
-        target(ids.to(target.device), use_cache=False)
+        target_logits = target(ids.to(target.device), use_cache=False).logits[0].to(device)  # [T, V']
         features = capture.features()
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     context = draft.new_context_cache()
@@ -279,16 +285,25 @@ def teacher_forced_rounds(
         sample = draft.draft_block(hidden, ids[0, anchors], lm_head, temperature=0.0)
         label_positions = anchors[:, None] + torch.arange(1, block_size + 1, device=device)
         valid = label_positions < seq_len
-        labels = ids[0, label_positions.clamp(max=seq_len - 1)]
+        label_positions = label_positions.clamp(max=seq_len - 1)
+        labels = ids[0, label_positions]
         accepted = ((sample.tokens == labels) & valid).long().cumprod(-1).bool()
+        # L1 between q (greedy drafting leaves its logits unscaled) and p of each label, a position at a time to
+        # hold [N, V] rather than [N, S, V] (the vocabulary is 164K for Kimi K3)
+        target_rows = target_logits[:, : draft.config.vocab_size]
+        l1 = torch.stack([
+            draft.distillation_terms(sample.logits[:, k], None, target_rows[label_positions[:, k] - 1], labels[:, k])[1]
+            for k in range(block_size)
+        ], dim=-1)  # [N, S]
         raw = None
         if draft.confidence_head is not None:
             prev = torch.cat([ids[0, anchors][:, None], sample.tokens[:, :-1]], dim=-1)
             raw = draft.confidence_logits(hidden, prev).float()
-        records.append(RoundRecords(None if raw is None else raw.cpu(), accepted.cpu(), valid.cpu()))
+        records.append(RoundRecords(None if raw is None else raw.cpu(), accepted.cpu(), valid.cpu(),
+                                    (1.0 - 0.5 * l1).cpu()))
     empty = torch.zeros(0, block_size)
     if not records:
-        return RoundRecords(None if draft.confidence_head is None else empty, empty.bool(), empty.bool())
+        return RoundRecords(None if draft.confidence_head is None else empty, empty.bool(), empty.bool(), empty)
     return RoundRecords.concatenate(records)
 
 
