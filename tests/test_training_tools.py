@@ -181,7 +181,8 @@ def test_compare_runs_tabulates_geometry_cost_and_heldout_quality(workspace, tmp
     assert f"| {row['heldout_greedy_acceptance_length']:.3f} |" in table[2]
 
     train(workspace, "dflash", "compare-dflash", "--max-steps", "1")  # no held-out evaluation
-    with pytest.raises(SystemExit, match="compare-dflash: its summary has no held-out evaluation; train with --heldout"):
+    no_heldout = "compare-dflash: its summary has no held-out evaluation; train with --heldout"
+    with pytest.raises(SystemExit, match=no_heldout):
         compare_runs.main([str(workspace / "compare-dflash")])
 
 
