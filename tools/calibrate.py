@@ -185,12 +185,11 @@ def report_text(report: dict) -> str:
     for fold in report.get("folds", []):
         lines.append(f"fold {fold['data']}: {fold['rounds']} rounds, T {[round(t, 3) for t in fold['temperatures']]}, "
                      f"ECE {fold['ece_before']:.4f} -> {fold['ece_after']:.4f}")
-    conditional = report["conditional"]
+    conditional, target = report["conditional"], report["conditional"]["mean_training_target"]
     lines += ["Per position, over the rounds whose earlier drafts were all accepted: the accept rate, the mean raw "
               "confidence c_k that predicts it, and the mean of c_k's training target 1 - L1/2",
               f"{'position':>8} {'rounds':>8} {'accept':>8} {'mean c_k':>9} {'mean 1-L1/2':>12}"]
     for k, count in enumerate(conditional["rounds"]):
-        target = conditional["mean_training_target"]
         lines.append(f"{k + 1:>8} {count:>8} {conditional['accept_rate'][k]:>8.3f} "
                      f"{conditional['mean_confidence'][k]:>9.3f} {'-' if target is None else f'{target[k]:.3f}':>12}")
     return "\n".join(lines)
