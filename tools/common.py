@@ -19,7 +19,7 @@ import pickle
 import re
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -216,7 +216,7 @@ class RoundRecords:
             parts = [getattr(r, name) for r in records]
             return None if any(x is None for x in parts) else torch.cat(parts)
 
-        return RoundRecords(cat("confidence_logits"), cat("accepted"), cat("valid"), cat("sampling_acceptance"))
+        return RoundRecords(*(cat(field.name) for field in fields(RoundRecords)))
 
     def decoded(self) -> RoundRecords:
         """The rounds that greedy decoding runs, out of the rounds of ONE sequence at every anchor in order.
@@ -231,9 +231,12 @@ class RoundRecords:
             kept.append(index)
             index += num_accepted[index] + 1
         kept = torch.tensor(kept, dtype=torch.long)
-        logits = None if self.confidence_logits is None else self.confidence_logits[kept]
-        sampling = None if self.sampling_acceptance is None else self.sampling_acceptance[kept]
-        return RoundRecords(logits, self.accepted[kept], self.valid[kept], sampling)
+
+        def rows(name: str) -> torch.Tensor | None:
+            column = getattr(self, name)
+            return None if column is None else column[kept]
+
+        return RoundRecords(*(rows(field.name) for field in fields(RoundRecords)))
 
     def acceptance_length(self) -> float:
         """Mean accepted drafts + 1 (the bonus token) over rounds whose whole block lies in the sequence."""
@@ -264,7 +267,8 @@ def teacher_forced_rounds(
     ids = torch.tensor(input_ids, device=device)[None]
     seq_len = ids.shape[1]
     with TargetFeatureCapture(target, draft.config.target_layer_ids, device=device) as capture:
-        target_logits = target(ids.to(target.device), use_cache=False).logits[0].to(device)  # [T, V']
+        target_logits = target(ids.to(target.device), use_cache=False).logits[0, :, : draft.config.vocab_size]
+        target_logits = target_logits.to(device)  # [T, V]
         features = capture.features()
     embed_tokens, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     context = draft.new_context_cache()
@@ -290,9 +294,9 @@ def teacher_forced_rounds(
         accepted = ((sample.tokens == labels) & valid).long().cumprod(-1).bool()
         # L1 between q (greedy drafting leaves its logits unscaled) and p of each label, a position at a time to
         # hold [N, V] rather than [N, S, V] (the vocabulary is 164K for Kimi K3)
-        target_rows = target_logits[:, : draft.config.vocab_size]
+        target_rows = label_positions - 1  # p of the label at j is the target's logits at j - 1
         l1 = torch.stack([
-            draft.distillation_terms(sample.logits[:, k], None, target_rows[label_positions[:, k] - 1], labels[:, k])[1]
+            draft.distillation_terms(sample.logits[:, k], None, target_logits[target_rows[:, k]], labels[:, k])[1]
             for k in range(block_size)
         ], dim=-1)  # [N, S]
         raw = None
