@@ -377,7 +377,8 @@ def choose_num_drafts(
         return torch.minimum((survival >= threshold).sum(-1), max_drafts)
     batch_size, block_size = survival.shape
     expected = torch.cat([survival.new_ones(batch_size, 1), 1 + survival.cumsum(-1)], dim=-1)  # [B, S + 1]
-    expected = expected.gather(1, torch.minimum(torch.arange(block_size + 1, device=expected.device), max_drafts[:, None]))
+    lengths = torch.arange(block_size + 1, device=expected.device)
+    expected = expected.gather(1, torch.minimum(lengths, max_drafts[:, None]))
     throughput = [float(expected[:, length].sum()) * sps(batch_size * (length + 1)) for length in range(block_size + 1)]
     length = 0
     while length < int(max_drafts.max()) and throughput[length + 1] >= throughput[length]:

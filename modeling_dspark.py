@@ -51,7 +51,8 @@ class DSparkRMSNorm(nn.Module):
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos, sin [B, T, head_dim] of the rotate-half RoPE at `position_ids` [B, T]."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim))
+    even_dims = torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32)
+    inv_freq = 1.0 / (theta ** (even_dims / head_dim))
     freqs = position_ids[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -147,10 +148,12 @@ class DSparkAttention(nn.Module):
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = False
-        self.q_proj = nn.Linear(config.hidden_size, config.num_attention_heads * self.head_dim, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_key_value_heads * self.head_dim, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias)
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = DSparkRMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
@@ -328,7 +331,9 @@ class DSparkDraftModel(DSparkPreTrainedModel):
             attention_mask = torch.cat([context_visible, block_visible], dim=-1)[:, None, None, :]
             attention_mask = attention_mask.expand(-1, 1, inputs_embeds.shape[1], -1)
         hidden_states = inputs_embeds.to(self.fc.weight.dtype)
-        position_embeddings = rotary_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, hidden_states.dtype)
+        position_embeddings = rotary_cos_sin(
+            position_ids, self.config.head_dim, self.config.rope_theta, hidden_states.dtype
+        )
         for layer in self.layers:
             hidden_states = layer(hidden_states, position_embeddings, context_cache, attention_mask)
         return self.norm(hidden_states)

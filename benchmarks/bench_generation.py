@@ -92,7 +92,8 @@ def load_models(args):
     half = args.num_prompts // 2
     prompts = tiny_models.agreeing_prompts(args.tiny, args.num_prompts - half, seed=args.seed)
     prompts += tiny_models.random_prompts(half, 8, 16, seed=args.seed)
-    return target, draft, assistant, None, [p[None].to(args.device) for p in prompts], f"tiny {args.tiny} (fitted draft)"
+    batches = [p[None].to(args.device) for p in prompts]
+    return target, draft, assistant, None, batches, f"tiny {args.tiny} (fitted draft)"
 
 
 def peak_memory(device: torch.device) -> float:

@@ -77,7 +77,8 @@ def test_a_later_batch_of_training_prompts_is_disjoint_and_keeps_the_heldout_pro
     eval_dir.mkdir()
     write_jsonl(eval_dir / "gsm8k.jsonl", [{"turns": [EVAL_QUESTION]}])
     gsm8k = tmp_path / "gsm8k_train.jsonl"
-    write_jsonl(gsm8k, [{"question": f"A shop sells {n} pens a day for {n + 3} days. How many pens?"} for n in range(40)])
+    questions = [f"A shop sells {n} pens a day for {n + 3} days. How many pens?" for n in range(40)]
+    write_jsonl(gsm8k, [{"question": question} for question in questions])
     (tmp_path / "src").mkdir()
     common = ["--gsm8k", str(gsm8k), "--roots", str(tmp_path / "src"), "--eval-dir", str(eval_dir),
               "--heldout-per-kind", "5"]

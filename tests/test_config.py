@@ -90,7 +90,8 @@ def test_reads_either_layout_and_writes_both(layout, tmp_path):
                      "markov_rank": 4, "markov_head_type": "vanilla", "enable_confidence_head": True,
                      "confidence_head_with_markov": False}
     base = {k: v for k, v in tiny_kwargs().items() if k not in DSPARK_KEYS}
-    config = DSparkConfig(**base, **dspark_values) if layout == "top_level" else DSparkConfig(**base, dflash_config=dspark_values)
+    layout_kwargs = dspark_values if layout == "top_level" else {"dflash_config": dspark_values}
+    config = DSparkConfig(**base, **layout_kwargs)
     config.save_pretrained(tmp_path)
     written = json.loads((tmp_path / "config.json").read_text())
     for key, value in dspark_values.items():
@@ -128,7 +129,8 @@ def test_is_causal_is_never_written(tmp_path):
     "overrides, message",
     [
         ({"num_attention_heads": 5}, "`num_attention_heads` = 5: must be divisible by num_key_value_heads"),
-        ({"target_layer_ids": [1, 4]}, "`target_layer_ids` = \\[1, 4\\]: every id must be a 0-based layer index in \\[0, 4\\)"),
+        ({"target_layer_ids": [1, 4]},
+         "`target_layer_ids` = \\[1, 4\\]: every id must be a 0-based layer index in \\[0, 4\\)"),
         ({"target_layer_ids": [-1, 2]}, "every id must be a 0-based layer index"),
         ({"target_layer_ids": [2, 1]}, "must be strictly increasing"),
         ({"target_layer_ids": [1, 1]}, "must be strictly increasing"),

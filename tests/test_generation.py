@@ -178,7 +178,8 @@ def test_replay_refuses_a_verify_that_bypassed_the_intercepted_kernel():
     cache.start_recording()
     handle = target.register_forward_pre_hook(lambda *_: setattr(module, chunk_name, kernel))
     try:
-        with pytest.raises(RuntimeError, match=r"0 of the target's 6 linear-attention layers called `chunk_kimi.*rerun"):
+        expected_error = r"0 of the target's 6 linear-attention layers called `chunk_kimi.*rerun"
+        with pytest.raises(RuntimeError, match=expected_error):
             cache.forward(torch.tensor([[8, 9]]), torch.tensor([[3, 4]]), num_logits=2, verify=True)
     finally:
         handle.remove()
@@ -258,7 +259,8 @@ def _exact_marginals(target, prompt, warpers, num_tokens):
             logits = warper(prefixes, logits)
         probs = torch.softmax(logits, dim=-1) * weights[:, None]  # [N, V] joint with each prefix
         marginals.append(probs.sum(0))
-        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(len(prefixes))[:, None]], 1)
+        next_tokens = torch.arange(vocab).repeat(len(prefixes))[:, None]
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), next_tokens], 1)
         weights = probs.flatten()
     return torch.stack(marginals)
 

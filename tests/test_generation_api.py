@@ -77,7 +77,8 @@ def test_stock_assisted_generation_with_a_small_autoregressive_assistant_is_unto
     assistant = Qwen3ForCausalLM(Qwen3Config(**config)).eval()
     input_ids = _prompt()
     expected = target.generate(input_ids, max_new_tokens=10, do_sample=False)
-    assert torch.equal(target.generate(input_ids, assistant_model=assistant, max_new_tokens=10, do_sample=False), expected)
+    assisted = target.generate(input_ids, assistant_model=assistant, max_new_tokens=10, do_sample=False)
+    assert torch.equal(assisted, expected)
 
 
 def test_user_call_with_a_draft_loaded_as_remote_code(tmp_path):
@@ -171,8 +172,9 @@ def _draft_with(**overrides) -> DSparkDraftModel:
         (lambda: random_draft("qwen3"), {"guidance_scale": 2.0}, r"guidance_scale\) is not supported; remove"),
         (lambda: random_draft("qwen3"), {"token_type_ids": torch.zeros(1, 3, dtype=torch.long)},
          r"unsupported generate arguments \['token_type_ids'\]: .* remove them"),
-        (lambda: random_draft("qwen3"), {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7,
-                                         "streamer": BaseStreamer()}, r"streamers take one sequence; stream with batch"),
+        (lambda: random_draft("qwen3"),
+         {"input_ids": torch.ones(2, 3, dtype=torch.long) * 7, "streamer": BaseStreamer()},
+         r"streamers take one sequence; stream with batch"),
         (lambda: random_draft("qwen3"), {"confidence_threshold": 0.0}, r"confidence_threshold must be in \(0, 1\]"),
         (lambda: random_draft("qwen3"), {"confidence_threshold": 1.5}, r"confidence_threshold must be in \(0, 1\]"),
         (lambda: random_draft("qwen3"), {"confidence_threshold": float("nan")}, r"\(0, 1\].*got nan.*default is 0.5"),

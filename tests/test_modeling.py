@@ -57,7 +57,8 @@ def test_remote_code_round_trip_gives_identical_outputs(draft, target_modules, t
     embed, lm_head = target_modules
     hidden, loaded_hidden = (run_block(m, features, anchors, positions, embed) for m in (draft, loaded))
     torch.testing.assert_close(loaded_hidden, hidden, rtol=0, atol=0)
-    drafted, loaded_drafted = (m.draft_block(h, anchors, lm_head) for m, h in ((draft, hidden), (loaded, loaded_hidden)))
+    drafted = draft.draft_block(hidden, anchors, lm_head)
+    loaded_drafted = loaded.draft_block(loaded_hidden, anchors, lm_head)
     assert torch.equal(drafted.tokens, loaded_drafted.tokens)
     assert torch.equal(drafted.confidences, loaded_drafted.confidences)
     # save_pretrained writes the Hub names back, unprefixed
@@ -301,7 +302,9 @@ def test_draft_block_matches_a_step_by_step_reference(draft, target_modules, tem
     seeds = torch.tensor([11, 12])
     drafted = draft.draft_block(hidden, anchors, lm_head, temperature=temperature, seeds=seeds)
     for row in range(2):
-        tokens, confidences = slow_reference_block(draft, hidden[row], anchors[row], lm_head, temperature, int(seeds[row]))
+        tokens, confidences = slow_reference_block(
+            draft, hidden[row], anchors[row], lm_head, temperature, int(seeds[row])
+        )
         assert drafted.tokens[row].tolist() == tokens
         torch.testing.assert_close(drafted.confidences[row], confidences)
     # q is the distribution the tokens were drawn from: its logits include the Markov bias of the drafts

@@ -369,7 +369,8 @@ def write_training_md(args, cfg, n_params, size, state, extra, prompt, sample, g
         f"- optimizer AdamW lr {args.lr} (warmup {args.warmup_steps} steps, cosine to x{args.min_lr_ratio} over the "
         f"budget), weight decay {args.weight_decay}, grad clip {args.grad_clip}, {args.threads} torch thread(s)",
         f"- steps: {state['step']}; tokens seen: {state['tokens']:,} (of which loss-bearing {state['loss_tokens']:,})",
-        f"- wall time of training: {state['elapsed'] / 60:.1f} min ({state['tokens'] / max(state['elapsed'], 1e-9):.0f} tok/s)",
+        f"- wall time of training: {state['elapsed'] / 60:.1f} min "
+        f"({state['tokens'] / max(state['elapsed'], 1e-9):.0f} tok/s)",
         f"- final train loss (mean of the last log interval): {tr.get('loss', float('nan')):.4f} "
         f"(response {tr.get('resp_loss', float('nan')):.4f}, code {tr.get('code_loss', float('nan')):.4f})",
         f"- final held-out loss ({ev.get('tokens', 0)} tokens): {ev.get('loss', float('nan')):.4f} "
@@ -453,14 +454,17 @@ def main(argv=None):
     ckpt_path = os.path.join(args.run_dir, "ckpt.pt")
     meta_path = os.path.join(args.run_dir, "meta.json")
     meta = json.load(open(meta_path)) if os.path.exists(meta_path) else {"commands": []}
-    cmd = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)] + sys.argv[1:])
+    script = os.path.relpath(os.path.abspath(sys.argv[0]), ROOT)
+    cmd = "python " + " ".join(shlex.quote(a) for a in [script] + sys.argv[1:])
     meta["commands"].append(cmd)
 
     # 1. tokenizer
     tok_dir = os.path.join(args.run_dir, "tokenizer")
     if not os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         t0 = time.time()
-        n, chars = train_tokenizer(os.path.join(args.corpus, "train.jsonl"), tok_dir, args.vocab_size, args.tokenizer_chars)
+        n, chars = train_tokenizer(
+            os.path.join(args.corpus, "train.jsonl"), tok_dir, args.vocab_size, args.tokenizer_chars
+        )
         print(f"tokenizer trained on {n} records / {chars} chars in {time.time() - t0:.0f}s", flush=True)
     tok = load_tokenizer(tok_dir)
 
@@ -528,7 +532,8 @@ def main(argv=None):
     last_ckpt = time.time()
     t_start = time.time() - state["elapsed"]
     t_interval, tok_interval = time.time(), 0
-    bar = tqdm(total=args.max_steps or int(budget_s), initial=state["step"] if args.max_steps else int(state["elapsed"]),
+    bar = tqdm(total=args.max_steps or int(budget_s),
+               initial=state["step"] if args.max_steps else int(state["elapsed"]),
                unit="step" if args.max_steps else "s", mininterval=10, dynamic_ncols=True)
     done = False
     while not done:
@@ -566,9 +571,10 @@ def main(argv=None):
         done = (state["step"] >= args.max_steps) if args.max_steps else (state["elapsed"] >= budget_s)
         if state["step"] % args.log_every == 0 or done:
             now = time.time()
-            tr = {"type": "train", "step": state["step"], "tokens": state["tokens"], "elapsed_s": round(state["elapsed"], 1),
-                  "lr": lr, "loss": acc["loss"] / acc["n"],
-                  "resp_loss": acc["resp"][0] / max(acc["resp"][1], 1), "code_loss": acc["code"][0] / max(acc["code"][1], 1),
+            tr = {"type": "train", "step": state["step"], "tokens": state["tokens"],
+                  "elapsed_s": round(state["elapsed"], 1), "lr": lr, "loss": acc["loss"] / acc["n"],
+                  "resp_loss": acc["resp"][0] / max(acc["resp"][1], 1),
+                  "code_loss": acc["code"][0] / max(acc["code"][1], 1),
                   "grad_norm": gnorm, "tok_s": tok_interval / (now - t_interval)}
             state["last_train"] = tr
             log_line(log_path, tr)
