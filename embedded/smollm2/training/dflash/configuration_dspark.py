@@ -1,0 +1,1 @@
+../../../../configuration_dspark.py
