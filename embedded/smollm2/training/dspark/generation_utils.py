@@ -1,1 +1,0 @@
-../../../../generation_utils.py
