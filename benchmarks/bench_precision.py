@@ -14,6 +14,8 @@ first difference, and the gap between the top two logits of the plain run at tha
 --per-dataset user turns of each eval/ set, rendered with the chat template (tools/common.chat_prompt_ids).
 
     python benchmarks/bench_precision.py --threads 1     # embedded pair, 24 prompts x 64 tokens, bf16 and fp32
+    python benchmarks/bench_precision.py --target smollm2 --draft embedded/smollm2/dspark --threads 2 \\
+        --per-dataset 16 --max-new-tokens 128 --dtypes bf16 fp16 fp32 --json embedded/smollm2/results/precision.json
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from tqdm import tqdm
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
-from tools.common import DTYPES, chat_prompt_ids, load_eval_prompts, resolve_device, write_json  # noqa: E402
+from tools.common import (  # noqa: E402
+    DTYPES, chat_prompt_ids, load_eval_prompts, load_target, resolve_device, write_json,
+)
+from tools.smollm2 import describe_target, resolve_target  # noqa: E402
 
 DATASETS = ["humaneval", "mbpp", "gsm8k", "math500", "mt-bench", "aime25"]
 
@@ -86,7 +91,9 @@ def measure(target, draft, prompts: list[torch.Tensor], max_new_tokens: int, pro
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=str(REPO_ROOT / "embedded/target"), help="target folder (with tokenizer)")
+    parser.add_argument("--target", default=str(REPO_ROOT / "embedded/target"),
+                        help="target folder (with tokenizer), or `smollm2` for the cached SmolLM2 "
+                             "(default: %(default)s)")
     parser.add_argument("--draft", default=str(REPO_ROOT / "embedded/dspark"), help="DSpark draft folder")
     parser.add_argument("--datasets", nargs="+", default=DATASETS, help="eval/ sets (default: all six)")
     parser.add_argument("--per-dataset", type=int, default=4, help="prompts per set (default: %(default)s)")
@@ -104,25 +111,25 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModel, AutoTokenizer
 
     device = resolve_device(args.device)
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target_path = resolve_target(args.target)  # `smollm2`: fetched and converted on first use, then cached
+    tokenizer = AutoTokenizer.from_pretrained(target_path)
     texts = [text for texts in load_eval_prompts(args.datasets, args.per_dataset).values() for text in texts]
     prompts = [torch.tensor([chat_prompt_ids(tokenizer, text)], device=device) for text in texts]
-    report = {"target": args.target, "draft": args.draft, "device": str(device),
+    report = {"target": describe_target(args.target), "draft": args.draft, "device": str(device),
               "max_new_tokens": args.max_new_tokens, "datasets": args.datasets, "by_dtype": {}}
     with tqdm(total=len(args.dtypes) * len(prompts), desc="precision", unit="prompt") as progress:
         for name in args.dtypes:
             progress.set_postfix_str(name)
-            dtype = DTYPES[name]
-            target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-            draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=dtype).to(device).eval()
+            target, _ = load_target(target_path, device, DTYPES[name])
+            draft = AutoModel.from_pretrained(args.draft, trust_remote_code=True, dtype=DTYPES[name]).to(device).eval()
             report["by_dtype"][name] = measure(target, draft, prompts, args.max_new_tokens, progress)
     write_json(args.json, report)
 
-    print(f"\n{args.target} + {args.draft} on {device}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
-          "greedy DSpark vs plain greedy")
+    print(f"\n{report['target']} + {args.draft} on {device}: {len(prompts)} prompts x {args.max_new_tokens} new "
+          "tokens, greedy DSpark vs plain greedy")
     print(f"{'dtype':<6}{'differ':>10}{'mean first diff':>17}{'mean top-2 gap':>16}{'max top-2 gap':>15}")
     fmt = lambda value: "-" if value is None else f"{value:.4g}"  # noqa: E731
     for name, result in report["by_dtype"].items():

@@ -60,3 +60,16 @@ def test_an_injected_difference_is_found_with_the_plain_runs_top2_gap(monkeypatc
         assert abs(record["top2_gap"] - (top2[0] - top2[1]).item()) < 1e-4
         assert record["tokens"]["dspark"] == (record["tokens"]["plain"] + 1) % VOCAB_SIZE
     assert result["max_top2_gap"] == max(r["top2_gap"] for r in result["records"])
+
+
+def test_the_command_compares_the_embedded_pair_per_dtype_and_writes_json(tmp_path):
+    report_path = tmp_path / "precision.json"
+
+    report = bench_precision.main(["--datasets", "gsm8k", "humaneval", "--per-dataset", "1", "--max-new-tokens",
+                                   str(NEW_TOKENS), "--dtypes", "fp32", "bf16", "--json", str(report_path)])
+
+    assert json.loads(report_path.read_text()) == report
+    assert report["target"] == str(REPO_ROOT / "embedded/target") and list(report["by_dtype"]) == ["fp32", "bf16"]
+    assert report["by_dtype"]["fp32"]["differing"] == 0
+    for result in report["by_dtype"].values():
+        assert result["prompts"] == 2 and all(0 < r["new_tokens"] <= NEW_TOKENS for r in result["records"])
