@@ -27,7 +27,7 @@ timeout 110 python3 benchmarks/bench_kernels.py --json "$OUT/bench_kernels.json"
 timeout 70 python3 benchmarks/bench_kernels.py --temperature 1 --skip-naive --sweep --json "$OUT/bench_sweep.json"
 
 timeout 90 python3 benchmarks/bench_precision.py --device cuda --json "$OUT/precision_cuda.json"
-for mode in greedy sampled; do
-    timeout 60 python3 benchmarks/bench_generation.py --target embedded/target --draft embedded/dspark \
-        --device cuda $([ $mode = sampled ] && echo --do-sample) --json "$OUT/generation_cuda_$mode.json"
-done
+timeout 60 python3 benchmarks/bench_generation.py --target embedded/target --draft embedded/dspark --device cuda \
+    --json "$OUT/generation_cuda_greedy.json"
+timeout 60 python3 benchmarks/bench_generation.py --target embedded/target --draft embedded/dspark --device cuda \
+    --do-sample --json "$OUT/generation_cuda_sampled.json"
