@@ -453,10 +453,12 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
     ran = []
     run_prompt = evaluate.Evaluation.run_prompt
     monkeypatch.setattr(evaluate.Evaluation, "run_prompt",
-                        lambda self, dataset, index, *rest: ran.append((dataset, index)) or run_prompt(
-                            self, dataset, index, *rest))
+                        lambda self, dataset, index, prompt, temperature: ran.append((temperature, dataset, index))
+                        or run_prompt(self, dataset, index, prompt, temperature))
     resumed = evaluate.main([*command, "--out", str(out)])
-    assert ran == [("mbpp", 1), ("humaneval", 0), ("humaneval", 1), ("mbpp", 0), ("mbpp", 1)]
+    # prompt by prompt, each through every set and temperature: the first job left was mbpp's first prompt at T=1
+    assert ran == [(1.0, "mbpp", 0), (0.0, "humaneval", 1), (1.0, "humaneval", 1), (0.0, "mbpp", 1),
+                   (1.0, "mbpp", 1)]
     assert len(records_path.read_text().splitlines()) == len(lines)
 
     def without_timing(report):
@@ -466,6 +468,14 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
 
     assert without_timing(resumed) == without_timing(whole)
     assert resumed["calibration"]["rounds"] == whole["calibration"]["rounds"]
+
+    ran.clear()  # --limit may change on the same --out: a smaller one reports its prompts without running any...
+    first_prompts = evaluate.main([*command, "--limit", "1", "--out", str(out)])
+    assert ran == [] and first_prompts["settings"]["limit"] == 1
+    assert {d: entry["target"]["prompts"] for d, entry in first_prompts["results"]["T=0"].items()} == {
+        "humaneval": 1, "mbpp": 1, "all": 2}
+    evaluate.main([*command, "--limit", "3", "--out", str(out)])  # ...a larger one extends it
+    assert ran == [(t, d, 2) for d in ("humaneval", "mbpp") for t in (0.0, 1.0)]
 
     digest = evaluate.folder_digest(str(draft_dir))  # an SGLang STS file does not change what transformers loads
     (draft_dir / calibrate.STS_FILE).write_text(json.dumps({"temperatures": [1.0] * 7}))

@@ -22,9 +22,11 @@ temperature-0 answers (`RoundRecords.decoded`).
 
 Outputs in --out: eval.json, eval.md, tau.png, acceptance.png, calibration.png, and records.jsonl: one line
 per finished job (every method on one prompt at one temperature). A run over all prompts takes days on a CPU:
-rerun the same command after an interruption and it resumes after the last finished job (other settings
-with the same --out are refused). Tokens/s of a job are measured within that job, so speed-ups stay
-same-run ratios across resumes.
+rerun the same command after an interruption and it resumes after the last finished job; other settings
+with the same --out are refused, but for --limit. Jobs run prompt by prompt, each through every set and
+temperature, so a run stopped anywhere has the first k prompts of every set done: `--limit k` with its --out
+reports them without running anything, and a larger --limit extends a finished run. Tokens/s of a job are
+measured within that job, so speed-ups stay same-run ratios across resumes.
 
 Example:
     python tools/evaluate.py --draft embedded/dspark --dflash runs/dflash/final --assistant runs/assistant/final \\
@@ -341,7 +343,7 @@ def evaluate(args) -> dict:
     settings = {key: (str(value) if isinstance(value, Path) else value) for key, value in vars(args).items()}
     out = Path(args.out)
     records_path = out / RECORDS
-    job_settings = {key: value for key, value in settings.items() if key != "out"}
+    job_settings = {key: value for key, value in settings.items() if key not in ("out", "limit")}
     job_settings |= {f"{name} sha256": folder_digest(getattr(args, name)) for name in MODEL_ARGUMENTS}
     records = finished_jobs(records_path, job_settings)
     device = resolve_device(args.device)
@@ -356,16 +358,19 @@ def evaluate(args) -> dict:
     prompts = load_eval_prompts(args.datasets, args.limit, args.eval_dir)
     evaluation = Evaluation(args, target, tokenizer, drafts, assistant)
     evaluation.warm_up(next(iter(prompts.values()))[0])
-    done = {(r["temperature"], r["dataset"], r["index"]) for r in records}
-    jobs = [(t, d, i, p) for t in args.temperatures for d, ps in prompts.items() for i, p in enumerate(ps)
-            if (t, d, i) not in done]
+    # (temperature, dataset, prompt index), prompt-major: a run stopped anywhere is a balanced sample of the sets
+    keys = [(t, d, i) for i in range(max(map(len, prompts.values()))) for d, ps in prompts.items() if i < len(ps)
+            for t in args.temperatures]
+    finished = {(r["temperature"], r["dataset"], r["index"]): r for r in records}
+    records = [finished[key] for key in keys if key in finished]  # a smaller --limit reports its prompts only
+    jobs = [key for key in keys if key not in finished]
     if not records_path.exists():
         out.mkdir(parents=True, exist_ok=True)
         records_path.write_text(json.dumps({"settings": job_settings}) + "\n")
     with open(records_path, "a", encoding="utf-8") as f:
-        for temperature, dataset, index, prompt in tqdm(jobs, desc="evaluate", unit="prompt", initial=len(done),
-                                                        total=len(done) + len(jobs)):
-            records.append(evaluation.run_prompt(dataset, index, prompt, temperature))
+        for temperature, dataset, index in tqdm(jobs, desc="evaluate", unit="prompt", initial=len(records),
+                                                total=len(keys)):
+            records.append(evaluation.run_prompt(dataset, index, prompts[dataset][index], temperature))
             f.write(json.dumps(records[-1]) + "\n")
             f.flush()
     greedy_answers = [(r["greedy_answer"], r["prompt_length"]) for r in records if "greedy_answer" in r]
