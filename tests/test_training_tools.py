@@ -6,6 +6,7 @@ AutoModel(trust_remote_code) -> Sequential Temperature Scaling -> evaluation out
 
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -427,6 +428,7 @@ def test_calibrate_and_evaluate_on_a_tiny_pair(workspace, monkeypatch):
     assert all(1.0 <= entry["tau"] <= 8.0 for entry in greedy.values())
     assert "| dspark/full |" in (out / "eval.md").read_text()
     assert "Prompts: humaneval 1; 8 new tokens at most." in (out / "eval.md").read_text()
+    assert re.search(r"Jobs ran on: .+, 1 threads \(2\)\.", (out / "eval.md").read_text())  # 2 temperatures
 
 
 def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace, monkeypatch):

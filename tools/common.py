@@ -16,6 +16,7 @@ import json
 import math
 import os
 import pickle
+import platform
 import re
 import shutil
 import warnings
@@ -102,6 +103,17 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def describe_device(device: torch.device) -> str:
+    """What a timing ran on, for reports that pool runs from several machines: the GPU's name, or the CPU's
+    model and the torch threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
+             if line.startswith("model name")] if cpuinfo.exists() else []
+    return f"{names[0] if names else platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
 def cpu_has_native_bf16() -> bool:

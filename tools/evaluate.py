@@ -40,7 +40,7 @@ import hashlib
 import json
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import tools  # noqa: E402,F401
 from tools.common import (  # noqa: E402
     DTYPES, STS_FILE, ForwardCounter, RoundRecords, add_model_arguments, apply_threads, chat_prompt_ids,
-    expected_calibration_error, finished_lines, load_dspark_draft, load_eval_prompts, load_target,
+    describe_device, expected_calibration_error, finished_lines, load_dspark_draft, load_eval_prompts, load_target,
     refuse_other_settings, reliability_bins, resolve_device, round_counts, sampling_kwargs, survival,
     teacher_forced_rounds, write_json,
 )
@@ -70,6 +70,7 @@ class Evaluation:
         self.args, self.target, self.tokenizer = args, target, tokenizer
         self.drafts, self.assistant = drafts, assistant
         self.unsupported: dict[str, str] = {}
+        self.machine = describe_device(target.device)  # a resumed run may finish on another machine
 
     def methods(self) -> list[str]:
         names = ["target"]
@@ -105,7 +106,8 @@ class Evaluation:
         """One job: every method on one prompt at one temperature. At temperature 0 the record keeps the
         target's answer (the calibration diagram's rounds) and each method's identity to it."""
         input_ids = torch.tensor([chat_prompt_ids(self.tokenizer, prompt)], device=self.target.device)
-        record = {"temperature": temperature, "dataset": dataset, "index": index, "methods": {}}
+        record = {"temperature": temperature, "dataset": dataset, "index": index, "machine": self.machine,
+                  "methods": {}}
         for method in self.methods():
             if method in self.unsupported:
                 continue
@@ -216,7 +218,10 @@ def markdown(report: dict) -> str:
     lines = ["# Speculative decoding evaluation", "",
              f"Target: {report['target_name']}. Prompts: {prompt_counts(report)}; "
              f"{report['settings']['max_new_tokens']} new tokens at most. Cells: tau (tokens per target "
-             "verification, bonus included) / speedup in tokens per second over the target alone.", ""]
+             "verification, bonus included) / speedup in tokens per second over the target alone, measured within "
+             "each job (one prompt at one temperature).", "",
+             "Jobs ran on: " + "; ".join(f"{machine} ({jobs})" for machine, jobs in report["machines"].items()) + ".",
+             ""]
     for temperature, per_dataset in report["results"].items():
         datasets = [d for d in per_dataset if d != "all"] + ["all"]
         methods = list(per_dataset["all"])
@@ -378,6 +383,7 @@ def evaluate(args) -> dict:
         "settings": settings,
         "target_name": describe_target(args.target),
         "results": summarize(records),
+        "machines": dict(Counter(record.get("machine", "not recorded") for record in records)),
         "unsupported": evaluation.unsupported,
         "calibration": calibration_summary(target, drafts.get("dspark"), greedy_answers, args.bins),
     }
