@@ -110,10 +110,10 @@ def describe_device(device: torch.device) -> str:
     model and the torch threads."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    cpuinfo = Path("/proc/cpuinfo")
-    names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines()
-             if line.startswith("model name")] if cpuinfo.exists() else []
-    return f"{names[0] if names else platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    cpuinfo = Path("/proc/cpuinfo")  # Linux; elsewhere `platform` names the processor family at least
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    models = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return f"{models[0] if models else platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
 
 
 def cpu_has_native_bf16() -> bool:
