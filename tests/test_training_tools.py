@@ -476,8 +476,19 @@ def test_an_interrupted_evaluation_resumes_after_its_last_finished_job(workspace
     assert ran == [] and first_prompts["settings"]["limit"] == 1
     assert {d: entry["target"]["prompts"] for d, entry in first_prompts["results"]["T=0"].items()} == {
         "humaneval": 1, "mbpp": 1, "all": 2}
-    evaluate.main([*command, "--limit", "3", "--out", str(out)])  # ...a larger one extends it
+    extended = evaluate.main([*command, "--limit", "3", "--out", str(out)])  # ...a larger one extends it
     assert ran == [(t, d, 2) for d in ("humaneval", "mbpp") for t in (0.0, 1.0)]
+    assert list(extended["machines"].values()) == [12] and extended["speedup_by_machine"] is None
+
+    header, *job_lines = records_path.read_text().splitlines()  # a run resumed elsewhere: speed-ups per machine too
+    jobs = [json.loads(line) for line in job_lines]
+    for job in jobs:
+        job["machine"] = "elsewhere" if job["index"] == 2 else job["machine"]
+    records_path.write_text("\n".join([header, *map(json.dumps, jobs)]) + "\n")
+    report = evaluate.main([*command, "--limit", "3", "--out", str(out)])
+    assert sorted(report["machines"].values()) == [4, 8]
+    assert set(report["speedup_by_machine"]["elsewhere"]) == {"T=0", "T=1"}
+    assert "| dspark/full | " in (out / "eval.md").read_text().split("on each machine")[1]
 
     digest = evaluate.folder_digest(str(draft_dir))  # an SGLang STS file does not change what transformers loads
     (draft_dir / calibrate.STS_FILE).write_text(json.dumps({"temperatures": [1.0] * 7}))

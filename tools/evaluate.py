@@ -187,6 +187,21 @@ def summarize(records: list[dict]) -> dict:
     return results
 
 
+def machine(record: dict) -> str:
+    return record.get("machine", "not recorded")  # jobs finished before records named their machine
+
+
+def speedups_by_machine(records: list[dict]) -> dict | None:
+    """speedups[machine][T][method] over all sets, when the jobs ran on more than one machine: a pooled speed-up
+    then mixes rounds whose costs differ."""
+    machines = Counter(map(machine, records))
+    if len(machines) < 2:
+        return None
+    return {name: {temperature: {method: entry["speedup"] for method, entry in per_dataset["all"].items()}
+                   for temperature, per_dataset in summarize([r for r in records if machine(r) == name]).items()}
+            for name in machines}
+
+
 def calibration_summary(target, draft, greedy_answers, bins: int) -> dict | None:
     """Reliability of the DSpark survival on the greedy rounds decoding runs over the target's temperature-0
     answers."""
@@ -220,8 +235,19 @@ def markdown(report: dict) -> str:
              f"{report['settings']['max_new_tokens']} new tokens at most. Cells: tau (tokens per target "
              "verification, bonus included) / speedup in tokens per second over the target alone, measured within "
              "each job (one prompt at one temperature).", "",
-             "Jobs ran on: " + "; ".join(f"{machine} ({jobs})" for machine, jobs in report["machines"].items()) + ".",
-             ""]
+             "Jobs ran on: " + "; ".join(f"{name} ({jobs})" for name, jobs in report["machines"].items()) + ".", ""]
+    by_machine = report["speedup_by_machine"]
+    if by_machine:
+        columns = [(name, temperature) for name, per_temperature in by_machine.items()
+                   for temperature in per_temperature]
+        methods = list(report["results"][columns[0][1]]["all"])
+        lines += ["Speedup over the target alone on each machine, all sets:", "",
+                  "| method | " + " | ".join(f"{name}, {temperature}" for name, temperature in columns) + " |",
+                  "|---" * (len(columns) + 1) + "|"]
+        for method in methods:
+            cells = [by_machine[name][temperature].get(method) for name, temperature in columns]
+            lines.append(f"| {method} | " + " | ".join("-" if c is None else f"{c:.2f}x" for c in cells) + " |")
+        lines.append("")
     for temperature, per_dataset in report["results"].items():
         datasets = [d for d in per_dataset if d != "all"] + ["all"]
         methods = list(per_dataset["all"])
@@ -383,7 +409,8 @@ def evaluate(args) -> dict:
         "settings": settings,
         "target_name": describe_target(args.target),
         "results": summarize(records),
-        "machines": dict(Counter(record.get("machine", "not recorded") for record in records)),
+        "machines": dict(Counter(map(machine, records))),
+        "speedup_by_machine": speedups_by_machine(records),
         "unsupported": evaluation.unsupported,
         "calibration": calibration_summary(target, drafts.get("dspark"), greedy_answers, args.bins),
     }
