@@ -229,6 +229,12 @@ def prompt_counts(report: dict) -> str:
                      if dataset != "all")
 
 
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines, then a blank one."""
+    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|",
+            *("| " + " | ".join(row) + " |" for row in rows), ""]
+
+
 def markdown(report: dict) -> str:
     lines = ["# Speculative decoding evaluation", "",
              f"Target: {report['target_name']}. Prompts: {prompt_counts(report)}; "
@@ -241,37 +247,29 @@ def markdown(report: dict) -> str:
         columns = [(name, temperature) for name, per_temperature in by_machine.items()
                    for temperature in per_temperature]
         methods = list(report["results"][columns[0][1]]["all"])
-        lines += ["Speedup over the target alone on each machine, all sets:", "",
-                  "| method | " + " | ".join(f"{name}, {temperature}" for name, temperature in columns) + " |",
-                  "|---" * (len(columns) + 1) + "|"]
-        for method in methods:
-            cells = [by_machine[name][temperature].get(method) for name, temperature in columns]
-            lines.append(f"| {method} | " + " | ".join("-" if c is None else f"{c:.2f}x" for c in cells) + " |")
-        lines.append("")
+        speedups = [[by_machine[name][temperature].get(method) for name, temperature in columns] for method in methods]
+        lines += ["Speedup over the target alone on each machine, all sets:", ""]
+        lines += table(["method", *(f"{name}, {temperature}" for name, temperature in columns)],
+                       [[method, *("-" if speedup is None else f"{speedup:.2f}x" for speedup in row)]
+                        for method, row in zip(methods, speedups)])
     for temperature, per_dataset in report["results"].items():
         datasets = [d for d in per_dataset if d != "all"] + ["all"]
-        methods = list(per_dataset["all"])
-        lines += [f"## {temperature}", "", "| method | " + " | ".join(datasets) + " | tok/s (all) |",
-                  "|---" * (len(datasets) + 2) + "|"]
-        for method in methods:
-            cells = []
-            for dataset in datasets:
-                entry = per_dataset[dataset].get(method)
-                cells.append("-" if entry is None else f"{entry['tau']:.2f} / {entry['speedup']:.2f}x")
-            speed = per_dataset["all"][method]["tokens_per_s"]
-            lines.append(f"| {method} | " + " | ".join(cells) + f" | {speed:.1f} |")
-        lines.append("")
+        rows = []
+        for method in per_dataset["all"]:
+            entries = [per_dataset[dataset].get(method) for dataset in datasets]
+            cells = ["-" if e is None else f"{e['tau']:.2f} / {e['speedup']:.2f}x" for e in entries]
+            rows.append([method, *cells, f"{per_dataset['all'][method]['tokens_per_s']:.1f}"])
+        lines += [f"## {temperature}", ""] + table(["method", *datasets, "tok/s (all)"], rows)
         detail = [(m, e) for m, e in per_dataset["all"].items() if "conditional_acceptance" in e or "lossless" in e]
         if detail:
-            lines += ["| method | lossless | mean tokens per verify forward (drafts + 1) "
-                      "| conditional acceptance by position |",
-                      "|---|---|---|---|"]
+            rows = []
             for method, entry in detail:
                 acceptance = " ".join("-" if a is None else f"{a:.2f}" for a in entry.get("conditional_acceptance", []))
                 verify = f"{entry['mean_verify_tokens']:.2f}" if "mean_verify_tokens" in entry else "-"
                 lossless = f"{entry['lossless']:.0%}" if "lossless" in entry else "-"
-                lines.append(f"| {method} | {lossless} | {verify} | {acceptance or '-'} |")
-            lines.append("")
+                rows.append([method, lossless, verify, acceptance or "-"])
+            lines += table(["method", "lossless", "mean tokens per verify forward (drafts + 1)",
+                            "conditional acceptance by position"], rows)
     for method, reason in report["unsupported"].items():
         lines.append(f"- `{method}` not run: {reason}")
     calibration = report.get("calibration")
